@@ -1,0 +1,28 @@
+# draftsmith: questions -> target completions -> dataset -> hidden states -> drafter -> evaluation.
+# Plan: snakemake -n    Run: snakemake --cores all --resources gpu=8
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+# The demo config applies only when no --configfile is given: Snakemake would otherwise
+# merge the demo's keys into a production config.
+if not workflow.overwrite_configfiles:
+
+    configfile: "config/config.yaml"
+
+
+validate(config, "workflow/schemas/config.schema.yaml")
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/demo_model.smk"
+include: "workflow/rules/questions.smk"
+include: "workflow/rules/generate.smk"
+include: "workflow/rules/dataset.smk"
+
+
+rule all:
+    input:
+        final_outputs(),
+    default_target: True

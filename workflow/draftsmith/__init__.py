@@ -1,0 +1,1 @@
+"""draftsmith: the Python package behind the Snakemake rules, one module per stage."""

@@ -1,0 +1,124 @@
+"""Dataset stage: merge the completion shards and run `speculators prepare-data` on them.
+
+The rows are already tokenized (the target's own token ids with the loss mask
+from generation), so prepare-data passes them through: it truncates to
+``seq_length``, drops rows with too few trainable tokens, shuffles, writes the
+Arrow dataset, and counts token frequencies for the draft vocabulary.
+
+prepare-data drops every column but the tokens, so we write ``row_ids.json``
+beside it: the question id of every dataset row, recovered by matching tokens.
+Extraction names its files by row, and this keeps each row traceable to its question.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from draftsmith.atomic import atomic_write_text, publish_directory
+from draftsmith.errors import DraftsmithError
+from draftsmith.progress import log
+
+SPECULATORS_CLI = [sys.executable, "-m", "speculators"]
+
+
+class DatasetError(DraftsmithError):
+    pass
+
+
+def merge_completions(shards: list[Path], merged: Path, seq_length: int) -> dict[str, str]:
+    """Concatenate the shards into one JSONL of ``input_ids``/``loss_mask`` rows.
+
+    Returns question ids by token hash, keyed by both the full row and the row cut
+    to ``seq_length`` (prepare-data truncates long rows).
+    """
+    ids_by_tokens: dict[str, str] = {}
+    with merged.open("w", encoding="utf-8") as out:
+        for shard in shards:
+            with shard.open(encoding="utf-8") as handle:
+                for line in handle:
+                    record = json.loads(line)
+                    input_ids = record["input_ids"]
+                    ids_by_tokens[tokens_key(input_ids)] = record["id"]
+                    ids_by_tokens.setdefault(tokens_key(input_ids[:seq_length]), record["id"])
+                    row = {"input_ids": input_ids, "loss_mask": record["loss_mask"]}
+                    out.write(json.dumps(row) + "\n")
+    return ids_by_tokens
+
+
+def tokens_key(input_ids: list[int]) -> str:
+    return hashlib.sha256(json.dumps(list(input_ids)).encode()).hexdigest()
+
+
+def prepare_data_command(settings: dict, merged: Path, output: Path) -> list[str]:
+    dataset = settings["dataset"]
+    argv = [
+        *SPECULATORS_CLI, "prepare-data",
+        "--model", settings["target"]["model"],
+        "--data", str(merged),
+        "--output", str(output),
+        "--seq-length", str(dataset["seq_length"]),
+        "--minimum-valid-tokens", str(dataset["min_trainable_tokens"]),
+        "--no-skip-token-freq",
+        "--token-freq-path", str(output / "token_freq.pt"),
+        "--overwrite",
+    ]  # fmt: skip
+    if settings["target"]["trust_remote_code"]:
+        argv.append("--trust-remote-code")
+    return argv
+
+
+def row_question_ids(dataset_dir: Path, ids_by_tokens: dict[str, str]) -> list[str]:
+    """The question id of every row of the prepared dataset, in row order."""
+    from datasets import load_from_disk
+
+    result = []
+    for input_ids in load_from_disk(str(dataset_dir)).with_format(None)["input_ids"]:
+        question_id = ids_by_tokens.get(tokens_key(input_ids))
+        if question_id is None:
+            raise DatasetError(f"dataset row {len(result)} matches no completion; rerun the dataset stage")
+        result.append(question_id)
+    return result
+
+
+def run(settings: dict, completions: list[Path], staging: Path, output: Path) -> None:
+    staging.mkdir(parents=True, exist_ok=True)
+    merged = staging / "merged.jsonl"
+    seq_length = settings["dataset"]["seq_length"]
+    ids_by_tokens = merge_completions(completions, merged, seq_length)
+    answers = len(set(ids_by_tokens.values()))
+    if not answers:
+        raise DatasetError("the completion shards hold no answers; check the generation logs")
+    log(f"merged {answers} answers from {len(completions)} shard(s)")
+
+    prepared = staging / "prepared"
+    command = prepare_data_command(settings, merged, prepared)
+    log("running: " + " ".join(command))
+    result = subprocess.run(command, stdin=subprocess.DEVNULL)
+    if result.returncode != 0:
+        raise DatasetError(f"speculators prepare-data failed (exit {result.returncode}); see the log above")
+
+    row_ids = row_question_ids(prepared, ids_by_tokens)
+    atomic_write_text(prepared / "row_ids.json", json.dumps(row_ids) + "\n")
+    log(f"dataset: {len(row_ids)} rows ({answers - len(row_ids)} dropped by prepare-data)")
+    publish_directory(prepared, output)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--settings", required=True, help="JSON: target, dataset")
+    parser.add_argument("--staging", required=True, type=Path)
+    parser.add_argument("--output", required=True, type=Path)
+    parser.add_argument("completions", nargs="+", type=Path)
+    args = parser.parse_args(argv)
+    run(json.loads(args.settings), args.completions, args.staging, args.output)
+
+
+if __name__ == "__main__":
+    from draftsmith.cli import run_main
+
+    run_main(main)

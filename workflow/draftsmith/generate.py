@@ -1,0 +1,254 @@
+"""Generation stage: the target answers one shard of questions, resumably.
+
+The request/response logic is speculators' own (`regenerate_conversation`: chat
+completion with ``return_token_ids``, prompt tokens masked 0, generated tokens 1),
+used as a library. We do not shell out to `speculators regenerate-responses`
+because it cannot send an API key (its session has fixed headers) and our
+servers require one; and because resume, the error budget and atomic publishing
+must follow this workflow's rules:
+
+- every finished answer is appended (and fsynced) to ``<staging>/records.jsonl``,
+  outside the declared output, so a crash loses only in-flight requests;
+- a rerun skips the ids already there and asks only for the rest;
+- the shard is published to its output in one rename once all its questions are
+  answered, or the stage fails when more than ``max_error_fraction`` failed.
+
+The token ids are the model's own: reasoning stays wrapped in its think tags
+exactly as generated (the hand-run scripts lost that wrapper).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from speculators.cli.regenerate_responses import regenerate_conversation
+from speculators.data_generation.vllm_client import InvalidResponseError, with_retries
+
+from draftsmith.atomic import atomic_write_text
+from draftsmith.errors import DraftsmithError
+from draftsmith.progress import Progress, log
+from draftsmith.server import Endpoint, ServerSpec, managed_server
+from draftsmith.slot import check_gpu_slot
+
+RECORDS = "records.jsonl"
+
+
+class GenerationError(DraftsmithError):
+    pass
+
+
+@dataclass
+class Tally:
+    ok: int = 0
+    truncated: int = 0
+    errors: dict[str, str] = field(default_factory=dict)  # question id -> last error
+
+
+def read_questions(path: Path) -> list[dict[str, Any]]:
+    with path.open(encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def load_records(path: Path) -> dict[str, dict[str, Any]]:
+    """Finished answers by question id. A torn last line (crash mid-write) is cut off,
+    so later appends start on a clean line."""
+    if not path.exists():
+        return {}
+    data = path.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1]
+    if len(complete) != len(data):
+        log(f"dropping a torn last line from {path} (interrupted write)")
+        with path.open("r+b") as handle:
+            handle.truncate(len(complete))
+    records = {}
+    for line in complete.decode("utf-8").splitlines():
+        record = json.loads(line)
+        records[record["id"]] = record
+    return records
+
+
+def record_from_sample(question_id: str, sample: dict[str, Any]) -> dict[str, Any]:
+    finish_reason = sample["metadata"].get("finish_reason")
+    return {
+        "id": question_id,
+        "input_ids": sample["input_ids"],
+        "loss_mask": sample["loss_mask"],
+        "finish_reason": finish_reason,
+        "completion_tokens": sum(sample["loss_mask"]),
+        "prompt_tokens": len(sample["loss_mask"]) - sum(sample["loss_mask"]),
+    }
+
+
+class RecordWriter:
+    """Appends one JSON line per finished question and fsyncs it: a crash keeps it."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._handle = path.open("a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._handle.write(json.dumps(record) + "\n")
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+def _post_function(session: aiohttp.ClientSession, url: str, max_retries: int):
+    @with_retries
+    async def post_once(payload: dict[str, Any]) -> dict[str, Any]:
+        async with session.post(url, json=payload) as response:
+            if response.status >= 500 or response.status in (408, 429):
+                raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:300]}")
+            if not response.ok:  # 4xx: a request the server will never accept; do not retry
+                raise InvalidResponseError(f"HTTP {response.status}: {(await response.text())[:300]}")
+            return await response.json()
+
+    async def post(payload: dict[str, Any]) -> dict[str, Any]:
+        return await post_once(payload, max_retries=max_retries)
+
+    return post
+
+
+async def answer_questions(
+    endpoint: Endpoint,
+    questions: list[dict[str, Any]],
+    writer: RecordWriter,
+    *,
+    generation: dict[str, Any],
+    already_done: int,
+    total: int,
+) -> Tally:
+    tally = Tally()
+    progress = Progress("generation", total, already_done=already_done)
+    semaphore = asyncio.Semaphore(generation["concurrency"])
+    timeout = aiohttp.ClientTimeout(total=generation["request_timeout_s"])
+    connector = aiohttp.TCPConnector(limit=generation["concurrency"])
+
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=connector, headers=endpoint.headers()
+    ) as session:
+        post = _post_function(session, f"{endpoint.base_url}/chat/completions", generation["max_retries"])
+
+        async def answer(index: int, question: dict[str, Any]) -> None:
+            item = {"idx": index, "primary_id": question["id"], "turns": question["messages"]}
+            samples: list[dict[str, Any]] = []
+            async with semaphore:
+                try:
+                    await regenerate_conversation(
+                        post,
+                        item,
+                        model=endpoint.model,
+                        max_tokens=generation["max_tokens"],
+                        endpoint=endpoint.base_url,
+                        sampling_params=generation["sampling"],
+                        samples=samples,
+                        detokenize=lambda ids: "",  # review-only text twin; not needed
+                    )
+                except Exception as error:  # noqa: BLE001 - every failure is counted, not fatal
+                    tally.errors[question["id"]] = repr(error)[:300]
+                    progress.advance(errors=1)
+                    return
+            record = record_from_sample(question["id"], samples[0])
+            writer.write(record)
+            tally.errors.pop(question["id"], None)
+            truncated = record["finish_reason"] == "length"
+            tally.ok += 1
+            tally.truncated += truncated
+            progress.advance(ok=1, truncated=int(truncated))
+
+        await asyncio.gather(*(answer(i, q) for i, q in enumerate(questions)))
+    return tally
+
+
+def external_endpoint(settings: dict) -> Endpoint | None:
+    config = settings["generation"].get("endpoint")
+    if not config:
+        return None
+    api_key = os.environ.get(config.get("api_key_env", "DRAFTSMITH_ENDPOINT_API_KEY"), "EMPTY")
+    return Endpoint(config["base_url"], api_key, config.get("model") or settings["target"]["model"])
+
+
+def publish(questions: list[dict[str, Any]], records: dict[str, dict[str, Any]], output: Path) -> None:
+    """The shard's answers in question order, written whole under the output name."""
+    lines = [json.dumps(records[q["id"]]) + "\n" for q in questions if q["id"] in records]
+    atomic_write_text(output, "".join(lines))
+
+
+def run(settings: dict, questions_path: Path, staging: Path, output: Path, granted_gpus: int | None) -> Tally:
+    check_gpu_slot(settings, granted_gpus)
+    generation = settings["generation"]
+    questions = read_questions(questions_path)
+    records_path = staging / RECORDS
+    done = load_records(records_path)
+    todo = [q for q in questions if q["id"] not in done]
+    log(f"{len(questions)} questions in shard: {len(done)} already answered, {len(todo)} to ask")
+
+    tally = Tally()
+    if todo:
+        writer = RecordWriter(records_path)
+        spec = ServerSpec.from_config(settings)
+        started = time.monotonic()
+        try:
+            with managed_server(spec, external=external_endpoint(settings)) as endpoint:
+                tally = asyncio.run(
+                    answer_questions(
+                        endpoint, todo, writer,
+                        generation=generation, already_done=len(done), total=len(questions),
+                    )
+                )  # fmt: skip
+        finally:
+            writer.close()
+        log(
+            f"asked {len(todo)} in {time.monotonic() - started:.0f}s: "
+            f"{tally.ok} ok ({tally.truncated} truncated at max_tokens), {len(tally.errors)} failed"
+        )
+
+    records = load_records(records_path)
+    missing = [q["id"] for q in questions if q["id"] not in records]
+    summary = {
+        "questions": len(questions),
+        "answered": len(questions) - len(missing),
+        "truncated": sum(r["finish_reason"] == "length" for r in records.values()),
+        "failed": len(missing),
+        "asked_this_run": len(todo),
+        "errors": dict(list(tally.errors.items())[:20]),
+    }
+    atomic_write_text(staging / "summary.json", json.dumps(summary, indent=2) + "\n")
+    allowed = generation["max_error_fraction"] * len(questions)
+    if len(missing) > allowed:
+        first = "; ".join(f"{k}: {v}" for k, v in list(tally.errors.items())[:3])
+        raise GenerationError(
+            f"{len(missing)} of {len(questions)} questions failed (more than "
+            f"max_error_fraction={generation['max_error_fraction']}); answered ones are kept in "
+            f"{records_path} and a rerun asks only for the rest. First errors: {first}"
+        )
+    publish(questions, records, output)
+    log(f"published {summary['answered']} answers to {output}")
+    return tally
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--settings", required=True, help="JSON: target, server, generation, device")
+    parser.add_argument("--questions", required=True, type=Path)
+    parser.add_argument("--staging", required=True, type=Path)
+    parser.add_argument("--output", required=True, type=Path)
+    parser.add_argument("--granted-gpus", type=int, default=None, help="what Snakemake granted")
+    args = parser.parse_args(argv)
+    run(json.loads(args.settings), args.questions, args.staging, args.output, args.granted_gpus)
+
+
+if __name__ == "__main__":
+    from draftsmith.cli import run_main
+
+    run_main(main)

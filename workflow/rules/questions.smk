@@ -1,0 +1,15 @@
+rule questions:
+    input:
+        questions_source_input(),
+    output:
+        shards=expand(f"{RESULTS}/questions/shard_{{shard}}.jsonl", shard=QUESTION_SHARDS),
+        heldout=f"{RESULTS}/questions/heldout.jsonl",
+        summary=f"{RESULTS}/questions/summary.json",
+    params:
+        settings=settings("questions"),
+        output_dir=f"{RESULTS}/questions",
+    log:
+        f"{LOGS}/questions.log",
+    shell:
+        "{PYTHON} -m draftsmith.questions --settings {params.settings:q}"
+        " --output-dir {params.output_dir:q} > {log:q} 2>&1"
