@@ -8,6 +8,8 @@ PYTHON = sys.executable
 RESULTS = "results"
 STAGING = f"{RESULTS}/.staging"  # partial work lives here, outside declared outputs
 LOGS = "logs"
+# For `--sdm conda`; relative to the rule files.
+CONDA_ENV = f"../../envs/{'cpu' if config['device'] == 'cpu' else 'gpu'}.yaml"
 
 QUESTION_SHARDS = list(range(config["questions"]["shards"]))
 

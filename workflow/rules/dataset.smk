@@ -8,6 +8,8 @@ rule dataset:
         settings=settings("target", "dataset"),
         staging=f"{STAGING}/dataset",
         versions=software_versions(),
+    conda:
+        CONDA_ENV
     log:
         f"{LOGS}/dataset.log",
     shell:

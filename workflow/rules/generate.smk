@@ -10,6 +10,8 @@ rule generate:
         versions=software_versions(),
     resources:
         gpu=config["gpu_slot"],
+    conda:
+        CONDA_ENV
     log:
         f"{LOGS}/generate/shard_{{shard}}.log",
     shell:

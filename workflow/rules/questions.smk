@@ -8,6 +8,8 @@ rule questions:
     params:
         settings=settings("questions"),
         output_dir=f"{RESULTS}/questions",
+    conda:
+        CONDA_ENV
     log:
         f"{LOGS}/questions.log",
     shell:

@@ -1,0 +1,38 @@
+"""Shared fixtures: the demo target model, built once per test session."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from draftsmith.demo_model import build_demo_model
+
+# vLLM on a small CPU box: a 1 GiB KV cache, no hub access.
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+os.environ.update(VLLM_ENV)
+
+
+@pytest.fixture(scope="session")
+def demo_target(tmp_path_factory) -> Path:
+    """The demo's tiny Llama, trained long enough to answer in its synthetic language."""
+    path = tmp_path_factory.mktemp("target") / "demo_model"
+    build_demo_model(path, train_seconds=45, seed=0, eval_per_task=0)
+    return path
+
+
+def server_settings(model: Path, **server) -> dict:
+    """The config sections a server-owning stage reads, for a CPU run of `model`."""
+    return {
+        "device": "cpu",
+        "gpu_slot": 1,
+        "target": {"model": str(model), "trust_remote_code": False},
+        "server": {
+            "tensor_parallel_size": 1,
+            "data_parallel_size": 1,
+            "max_model_len": 512,
+            "startup_timeout_s": 300,
+            "extra_args": ["--enforce-eager", "--dtype", "bfloat16"],
+            "env": dict(VLLM_ENV),
+            **server,
+        },
+    }

@@ -1,0 +1,113 @@
+"""Generation stage against the real vLLM CPU build: think tags, masks, resume, error budget."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import server_settings
+from transformers import AutoTokenizer
+
+from draftsmith import generate
+from draftsmith.demo_model import question_rows
+
+GENERATION = {
+    "concurrency": 4, "max_tokens": 48, "sampling": {"temperature": 0.0},
+    "max_error_fraction": 0.0, "request_timeout_s": 120, "max_retries": 1, "endpoint": None,
+}  # fmt: skip
+
+
+def write_questions(path, count, seed=1):
+    rows = [r for r in question_rows(count + 10, seed=seed, duplicates=0) if "messages" in r][:count]
+    path.write_text("".join(json.dumps({"id": r["id"], "messages": r["messages"]}) + "\n" for r in rows))
+    return rows
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.vllm
+def test_answers_keep_think_tags_and_mask_only_the_answer(demo_target, tmp_path):
+    questions = write_questions(tmp_path / "q.jsonl", 6)
+    settings = server_settings(demo_target) | {"generation": GENERATION}
+    generate.run(settings, tmp_path / "q.jsonl", tmp_path / "staging", tmp_path / "out.jsonl", None)
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_target)
+    think_open, think_close = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    records = read_jsonl(tmp_path / "out.jsonl")
+    assert [r["id"] for r in records] == [q["id"] for q in questions]
+    for record, question in zip(records, questions):
+        ids, mask = record["input_ids"], record["loss_mask"]
+        prompt = tokenizer.apply_chat_template(question["messages"], add_generation_prompt=True, tokenize=True)
+        prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+        n_prompt = len(prompt)
+        # The mask covers exactly the generated tokens, nothing of the prompt.
+        assert ids[:n_prompt] == prompt
+        assert mask == [0] * n_prompt + [1] * (len(ids) - n_prompt)
+        # The reasoning wrapper is in the trained tokens, as the model produced it.
+        answer = ids[n_prompt:]
+        assert answer[0] == think_open and think_close in answer
+        text = tokenizer.decode(answer, skip_special_tokens=False)
+        assert text.startswith("<think>") and "</think>" in text
+
+
+@pytest.mark.vllm
+def test_generation_resumes_after_sigkill_without_asking_twice(demo_target, tmp_path):
+    questions = write_questions(tmp_path / "q.jsonl", 40)
+    settings = server_settings(demo_target) | {"generation": GENERATION | {"concurrency": 2}}
+    staging, output, log_path = tmp_path / "staging", tmp_path / "out.jsonl", tmp_path / "run1.log"
+    command = [
+        sys.executable, "-m", "draftsmith.generate", "--settings", json.dumps(settings),
+        "--questions", str(tmp_path / "q.jsonl"), "--staging", str(staging), "--output", str(output),
+    ]  # fmt: skip
+    with log_path.open("w") as log:
+        first = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        records = staging / generate.RECORDS
+        deadline = time.monotonic() + 240
+        while not (records.exists() and len(records.read_text().splitlines()) >= 5):
+            assert first.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no answers within 240 s"
+            time.sleep(0.2)
+        first.send_signal(signal.SIGKILL)  # only the stage; its server must die with it
+        first.wait()
+    answered_before = len(generate.load_records(records))
+    assert not output.exists(), "a killed shard must not be published"
+
+    time.sleep(2)
+    assert "vllm.entrypoints" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+
+    tally = generate.run(settings, tmp_path / "q.jsonl", staging, output, None)
+    summary = json.loads((staging / "summary.json").read_text())
+    assert summary["asked_this_run"] == 40 - answered_before
+    assert tally.ok == 40 - answered_before
+    published = [r["id"] for r in read_jsonl(output)]
+    assert published == [q["id"] for q in questions]  # every id once, in order
+
+
+def test_failures_over_the_budget_fail_the_stage_and_publish_nothing(tmp_path):
+    write_questions(tmp_path / "q.jsonl", 3)
+    dead = {"base_url": "http://127.0.0.1:9/v1", "model": "nothing"}
+    settings = server_settings(tmp_path) | {
+        "generation": GENERATION | {"endpoint": dead, "max_retries": 0, "max_error_fraction": 0.5}
+    }
+    with pytest.raises(generate.GenerationError, match="3 of 3 questions failed"):
+        generate.run(settings, tmp_path / "q.jsonl", tmp_path / "staging", tmp_path / "out.jsonl", None)
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_torn_last_record_is_cut_off(tmp_path):
+    records = tmp_path / "records.jsonl"
+    records.write_text('{"id": "a", "input_ids": [1], "loss_mask": [1]}\n{"id": "b", "inp')
+    assert list(generate.load_records(records)) == ["a"]
+    assert records.read_text().endswith("}\n")
+
+
+def test_gpu_slot_smaller_than_tp_is_refused_before_any_work(tmp_path):
+    settings = server_settings(tmp_path, tensor_parallel_size=8) | {"device": "cuda", "gpu_slot": 8}
+    settings["generation"] = GENERATION
+    with pytest.raises(generate.DraftsmithError, match="granted 4 GPU.*--resources gpu=8"):
+        generate.run(settings, tmp_path / "absent.jsonl", tmp_path / "s", tmp_path / "o", granted_gpus=4)

@@ -1,0 +1,159 @@
+"""Questions stage: shapes, dedup, stable ids, deterministic split, bad rows."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from draftsmith import questions as q
+
+
+def settings(source, **overrides):
+    section = {"source": str(source), "split": "train", "subset": None, "limit": None,
+               "heldout": 2, "shards": 2, "seed": 0}  # fmt: skip
+    section.update(overrides)
+    return {"questions": section}
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def all_ids(out):
+    ids = [r["id"] for i in range(2) for r in read_jsonl(out / f"shard_{i}.jsonl")]
+    return ids + [r["id"] for r in read_jsonl(out / "heldout.jsonl")]
+
+
+ROWS = [
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "count to 3"},
+                  {"role": "assistant", "content": "1 2 3"}, {"role": "user", "content": "again"}]},
+    {"conversations": [{"from": "human", "value": "spell cat"}, {"from": "gpt", "value": "c a t"}]},
+    {"prompt": "repeat hi twice"},
+    {"prompt": [{"role": "user", "content": "reverse a b"}]},
+    {"messages": [{"role": "user", "content": "  repeat   hi twice "}]},  # duplicate after normalization
+    {"prompt": "list three colors"},
+    {"prompt": "name two animals"},
+]
+
+
+def test_every_common_shape_becomes_a_prompt():
+    assert q.prompt_turns(ROWS[0]) == (("system", "Be brief."), ("user", "count to 3"))
+    assert q.prompt_turns(ROWS[1]) == (("user", "spell cat"),)
+    assert q.prompt_turns(ROWS[2]) == (("user", "repeat hi twice"),)
+    assert q.prompt_turns(ROWS[3]) == (("user", "reverse a b"),)
+
+
+@pytest.mark.parametrize(
+    ("row", "reason"),
+    [
+        ({"messages": [{"role": "assistant", "content": "hi"}]}, "no user turn"),
+        ({"messages": [{"role": "user", "content": "   "}]}, "no user turn"),
+        ({"text": "no conversation here"}, "no messages, conversations or prompt field"),
+        ({"messages": [{"role": "user", "content": ["not", "text"]}]}, "user turn content is not text"),
+        (["a", "list"], "row is not an object"),
+    ],
+)
+def test_bad_rows_name_their_reason(row, reason):
+    with pytest.raises(q.BadRow, match=reason):
+        q.prompt_turns(row)
+
+
+def test_dedup_by_normalized_content_and_stable_ids(tmp_path):
+    summary = q.run(settings(write_jsonl(tmp_path / "in.jsonl", ROWS)), tmp_path / "out")
+    assert summary["duplicates"] == 1
+    assert summary["questions"] == 6
+    first = all_ids(tmp_path / "out")
+    assert len(first) == len(set(first)) == 6
+
+    # Same content in another order and with other ids -> the same ids and the same split.
+    q.run(settings(write_jsonl(tmp_path / "in2.jsonl", ROWS[::-1])), tmp_path / "out2")
+    assert sorted(all_ids(tmp_path / "out2")) == sorted(first)
+    heldout = lambda out: sorted(r["id"] for r in read_jsonl(out / "heldout.jsonl"))  # noqa: E731
+    assert heldout(tmp_path / "out") == heldout(tmp_path / "out2")
+
+
+def test_split_is_deterministic_and_a_seed_changes_it():
+    pool = [q.Question(f"q{i:04d}", (("user", f"question {i}"),)) for i in range(200)]
+    shards_a, held_a = q.split_questions(pool, heldout=20, shards=4, seed=0)
+    shards_b, held_b = q.split_questions(pool, heldout=20, shards=4, seed=0)
+    _, held_c = q.split_questions(pool, heldout=20, shards=4, seed=1)
+    assert held_a == held_b and shards_a == shards_b
+    assert {x.id for x in held_a} != {x.id for x in held_c}
+    assert sum(map(len, shards_a)) == 180 and all(len(s) > 20 for s in shards_a)
+    assert not {x.id for x in held_a} & {x.id for s in shards_a for x in s}
+
+
+def test_growing_the_pool_keeps_questions_in_their_shard():
+    pool = [q.Question(f"q{i:04d}", (("user", f"question {i}"),)) for i in range(300)]
+    small, _ = q.split_questions(pool[:200], heldout=1, shards=3, seed=0)
+    large, held = q.split_questions(pool, heldout=1, shards=3, seed=0)
+    shard_of = {x.id: i for i, shard in enumerate(large) for x in shard}
+    moved = [x.id for i, shard in enumerate(small) for x in shard if shard_of.get(x.id, i) != i]
+    assert moved == []
+    assert sum(map(len, small)) == 199 and len(shard_of) + len(held) == 300
+
+
+def test_limit_applies_after_dedup(tmp_path):
+    summary = q.run(settings(write_jsonl(tmp_path / "in.jsonl", ROWS), limit=5, heldout=1), tmp_path / "o")
+    assert summary["questions"] == 5 and summary["duplicates"] == 1
+
+
+def test_bad_rows_are_counted_not_fatal(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(
+        b'{"prompt": "good one"}\n'
+        b"{not json\n"
+        b'{"prompt": "caf\xff"}\n'
+        b'{"messages": [{"role": "assistant", "content": "no question"}]}\n'
+        b'{"prompt": "good two"}\n{"prompt": "good three"}\n'
+    )
+    summary = q.run(settings(path, heldout=1), tmp_path / "out")
+    assert summary["questions"] == 3
+    assert summary["bad_rows_by_reason"] == {
+        "malformed JSON line": 1, "invalid UTF-8": 1, "no user turn": 1,
+    }  # fmt: skip
+
+
+def test_zero_usable_questions_is_a_clear_error(tmp_path):
+    path = write_jsonl(tmp_path / "in.jsonl", [{"text": "x"}, {"messages": []}])
+    with pytest.raises(q.QuestionsError, match="no usable questions"):
+        q.run(settings(path), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_empty_or_missing_source_is_a_clear_error(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(q.QuestionsError, match="is empty"):
+        q.run(settings(tmp_path / "empty.jsonl"), tmp_path / "out")
+    with pytest.raises(q.QuestionsError, match="does not exist"):
+        q.run(settings(tmp_path / "absent.jsonl"), tmp_path / "out")
+
+
+def test_heldout_larger_than_pool_is_a_clear_error(tmp_path):
+    with pytest.raises(q.QuestionsError, match="lower questions.heldout"):
+        q.run(settings(write_jsonl(tmp_path / "in.jsonl", ROWS), heldout=6), tmp_path / "out")
+
+
+def test_json_and_parquet_sources(tmp_path):
+    rows = [{"prompt": f"question {i}"} for i in range(5)]
+    (tmp_path / "in.json").write_text(json.dumps(rows))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet")
+    from_json = q.run(settings(tmp_path / "in.json", heldout=1), tmp_path / "a")
+    from_parquet = q.run(settings(tmp_path / "in.parquet", heldout=1), tmp_path / "b")
+    assert from_json["questions"] == from_parquet["questions"] == 5
+    assert sorted(all_ids(tmp_path / "a")) == sorted(all_ids(tmp_path / "b"))
+
+
+def test_hugging_face_dataset_through_datasets(tmp_path):
+    """A dataset directory in the hub layout loads through `datasets.load_dataset`."""
+    repo = tmp_path / "org_dataset"
+    (repo / "data").mkdir(parents=True)
+    write_jsonl(repo / "data" / "train.jsonl", [{"conversations": [{"from": "human", "value": f"q{i}"}]} for i in range(4)])
+    summary = q.run(settings(repo, heldout=1), tmp_path / "out")
+    assert summary["questions"] == 4

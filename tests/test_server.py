@@ -1,0 +1,82 @@
+"""Managed vLLM server lifecycle with the real vLLM CPU build."""
+
+import json
+import shutil
+import urllib.error
+import urllib.request
+
+import psutil
+import pytest
+from conftest import server_settings
+
+from draftsmith.server import ServerError, ServerSpec, managed_server
+
+pytestmark = pytest.mark.vllm
+
+
+def server_processes(port: int) -> list[psutil.Process]:
+    """The API server listening on `port` and every process below it."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if "--port" in cmdline and str(port) in cmdline:
+            found += [proc, *proc.children(recursive=True)]
+    return found
+
+
+def vllm_pids() -> set[int]:
+    pids = set()
+    for proc in psutil.process_iter(["cmdline"]):
+        if "vllm" in " ".join(proc.info["cmdline"] or []):
+            pids.add(proc.pid)
+    return pids
+
+
+def status_of(url: str, headers: dict | None = None) -> int:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+def test_serves_on_loopback_behind_its_key_and_leaves_nothing(demo_target, tmp_path):
+    spec = ServerSpec.from_config(server_settings(demo_target))
+    log_path = tmp_path / "server.log"
+    with managed_server(spec, log_path) as endpoint:
+        assert endpoint.base_url.startswith("http://127.0.0.1:")
+        port = int(endpoint.base_url.rsplit(":", 1)[1].split("/")[0])
+        processes = server_processes(port)
+        assert processes, "the server process should be visible"
+        assert status_of(f"{endpoint.base_url}/models") == 401
+        assert status_of(f"{endpoint.base_url}/models", {"Authorization": "Bearer wrong"}) == 401
+        assert status_of(f"{endpoint.base_url}/models", endpoint.headers()) == 200
+        # Not reachable on another interface: the server binds loopback only.
+        listening = {c.laddr.ip for p in processes for c in p.net_connections() if c.status == "LISTEN"}
+        assert listening == {"127.0.0.1"}
+    gone, alive = psutil.wait_procs(processes, timeout=10)
+    assert alive == []
+    assert endpoint.api_key not in log_path.read_text()
+
+
+def test_start_failure_fails_fast_with_the_log_tail(demo_target, tmp_path):
+    broken = tmp_path / "broken_model"
+    shutil.copytree(demo_target, broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["architectures"] = ["NoSuchArchitectureForCausalLM"]
+    (broken / "config.json").write_text(json.dumps(config))
+    spec = ServerSpec.from_config(server_settings(broken))
+    with pytest.raises(ServerError) as failure:
+        with managed_server(spec, tmp_path / "server.log"):
+            pytest.fail("a broken model must not come up")
+    message = str(failure.value)
+    assert "exited with code" in message and "NoSuchArchitectureForCausalLM" in message
+
+
+def test_load_timeout_stops_the_server(demo_target, tmp_path):
+    spec = ServerSpec.from_config(server_settings(demo_target, startup_timeout_s=3))
+    before = vllm_pids()
+    with pytest.raises(ServerError, match="not ready after 3s; raise server.startup_timeout_s"):
+        with managed_server(spec, tmp_path / "server.log"):
+            pytest.fail("a 3 s budget is too short for vLLM to load")
+    assert vllm_pids() - before == set()
