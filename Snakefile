@@ -15,14 +15,22 @@ if not workflow.overwrite_configfiles:
 validate(config, "workflow/schemas/config.schema.yaml")
 
 
+# common.smk puts this interpreter's bin first on PATH, so jobs run in the same environment.
+envvars:
+    "PATH",
+
+
 include: "workflow/rules/common.smk"
 include: "workflow/rules/demo_model.smk"
 include: "workflow/rules/questions.smk"
 include: "workflow/rules/generate.smk"
 include: "workflow/rules/dataset.smk"
+include: "workflow/rules/extract.smk"
+include: "workflow/rules/train.smk"
+include: "workflow/rules/evaluate.smk"
 
 
 rule all:
+    default_target: True
     input:
         final_outputs(),
-    default_target: True

@@ -28,11 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 from speculators.cli.regenerate_responses import regenerate_conversation
-from speculators.data_generation.vllm_client import InvalidResponseError, with_retries
 
 from draftsmith.atomic import atomic_write_text
+from draftsmith.client import chat_poster, open_session
 from draftsmith.errors import DraftsmithError
 from draftsmith.progress import Progress, log
 from draftsmith.server import Endpoint, ServerSpec, managed_server
@@ -103,22 +102,6 @@ class RecordWriter:
         self._handle.close()
 
 
-def _post_function(session: aiohttp.ClientSession, url: str, max_retries: int):
-    @with_retries
-    async def post_once(payload: dict[str, Any]) -> dict[str, Any]:
-        async with session.post(url, json=payload) as response:
-            if response.status >= 500 or response.status in (408, 429):
-                raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:300]}")
-            if not response.ok:  # 4xx: a request the server will never accept; do not retry
-                raise InvalidResponseError(f"HTTP {response.status}: {(await response.text())[:300]}")
-            return await response.json()
-
-    async def post(payload: dict[str, Any]) -> dict[str, Any]:
-        return await post_once(payload, max_retries=max_retries)
-
-    return post
-
-
 async def answer_questions(
     endpoint: Endpoint,
     questions: list[dict[str, Any]],
@@ -131,13 +114,9 @@ async def answer_questions(
     tally = Tally()
     progress = Progress("generation", total, already_done=already_done)
     semaphore = asyncio.Semaphore(generation["concurrency"])
-    timeout = aiohttp.ClientTimeout(total=generation["request_timeout_s"])
-    connector = aiohttp.TCPConnector(limit=generation["concurrency"])
-
-    async with aiohttp.ClientSession(
-        timeout=timeout, connector=connector, headers=endpoint.headers()
-    ) as session:
-        post = _post_function(session, f"{endpoint.base_url}/chat/completions", generation["max_retries"])
+    session = open_session(endpoint, generation["concurrency"], generation["request_timeout_s"])
+    async with session:
+        post = chat_poster(session, endpoint, generation["max_retries"])
 
         async def answer(index: int, question: dict[str, Any]) -> None:
             item = {"idx": index, "primary_id": question["id"], "turns": question["messages"]}

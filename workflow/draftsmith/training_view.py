@@ -1,0 +1,62 @@
+"""Assemble the extraction shards into the one directory `speculators train` reads.
+
+Hidden states are terabytes at production scale (~56 KiB per token for Kimi), so
+they are never copied: the view holds relative symlinks ``hs_<row>.safetensors``
+into the shard directories, and every dataset row must be covered exactly once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+
+from draftsmith.atomic import publish_directory
+from draftsmith.errors import DraftsmithError
+from draftsmith.progress import log
+
+
+class TrainingViewError(DraftsmithError):
+    pass
+
+
+def hidden_state_files(shard: Path) -> dict[int, Path]:
+    return {int(path.stem.removeprefix("hs_")): path for path in shard.glob("hs_*.safetensors")}
+
+
+def build_view(shards: list[Path], rows: int, output: Path) -> None:
+    files: dict[int, Path] = {}
+    for shard in shards:
+        for row, path in hidden_state_files(shard).items():
+            if row in files:
+                raise TrainingViewError(f"row {row} is in both {files[row].parent} and {shard}; rerun extraction")
+            files[row] = path
+    missing = sorted(set(range(rows)) - files.keys())
+    if missing:
+        raise TrainingViewError(
+            f"{len(missing)} dataset rows have no hidden states (first: {missing[:5]}); rerun extraction"
+        )
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staged = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    for row, path in sorted(files.items()):
+        (staged / path.name).symlink_to(os.path.relpath(path.resolve(), output.resolve().parent / output.name))
+    publish_directory(staged, output)
+    log(f"training view: {len(files)} links in {output}, 0 bytes of tensor data copied")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dataset", required=True, type=Path, help="prepared dataset (for the row count)")
+    parser.add_argument("--output", required=True, type=Path)
+    parser.add_argument("shards", nargs="+", type=Path)
+    args = parser.parse_args(argv)
+    from datasets import load_from_disk
+
+    build_view(args.shards, len(load_from_disk(str(args.dataset))), args.output)
+
+
+if __name__ == "__main__":
+    from draftsmith.cli import run_main
+
+    run_main(main)
