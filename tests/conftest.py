@@ -16,7 +16,7 @@ os.environ.update(VLLM_ENV)
 def demo_target(tmp_path_factory) -> Path:
     """The demo's tiny Llama, trained long enough to answer in its synthetic language."""
     path = tmp_path_factory.mktemp("target") / "demo_model"
-    build_demo_model(path, train_seconds=45, seed=0, eval_per_task=0)
+    build_demo_model(path, train_seconds=0, max_steps=400, seed=0, eval_per_task=0)
     return path
 
 

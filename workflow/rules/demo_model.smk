@@ -8,7 +8,7 @@ if config["target"]["build_demo"]:
         conda:
             CONDA_ENV
         params:
-            seconds=config["target"]["demo_train_seconds"],
+            steps=config["target"]["demo_train_steps"],
         shell:
             "python -m draftsmith.demo_model --output {output:q}"
-            " --train-seconds {params.seconds} --seed 0 > {log:q} 2>&1"
+            " --train-seconds 0 --max-steps {params.steps} --seed 0 > {log:q} 2>&1"
