@@ -111,3 +111,18 @@ def test_gpu_slot_smaller_than_tp_is_refused_before_any_work(tmp_path):
     settings["generation"] = GENERATION
     with pytest.raises(generate.DraftsmithError, match="granted 4 GPU.*--resources gpu=8"):
         generate.run(settings, tmp_path / "absent.jsonl", tmp_path / "s", tmp_path / "o", granted_gpus=4)
+
+
+def test_staged_answers_are_dropped_when_a_generation_setting_changes(tmp_path):
+    staging = tmp_path / "staging"
+    settings = server_settings(tmp_path) | {"generation": GENERATION}
+    generate.open_staging(staging, generate.answer_shaping_settings(settings))
+    (staging / generate.RECORDS).write_text('{"id": "a", "input_ids": [1], "loss_mask": [1]}\n')
+
+    same = settings | {"generation": GENERATION | {"concurrency": 99, "max_retries": 7}}
+    generate.open_staging(staging, generate.answer_shaping_settings(same))
+    assert list(generate.load_records(staging / generate.RECORDS)) == ["a"]
+
+    changed = settings | {"generation": GENERATION | {"max_tokens": 12}}
+    generate.open_staging(staging, generate.answer_shaping_settings(changed))
+    assert generate.load_records(staging / generate.RECORDS) == {}

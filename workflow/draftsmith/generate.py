@@ -36,6 +36,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.progress import Progress, log
 from draftsmith.server import Endpoint, ServerSpec, managed_server
 from draftsmith.slot import check_gpu_slot
+from draftsmith.staging import open_staging
 
 RECORDS = "records.jsonl"
 
@@ -163,10 +164,22 @@ def publish(questions: list[dict[str, Any]], records: dict[str, dict[str, Any]],
     atomic_write_text(output, "".join(lines))
 
 
+def answer_shaping_settings(settings: dict) -> dict:
+    """What an answer depends on; concurrency, timeouts and retries do not change it."""
+    generation = settings["generation"]
+    return {
+        "model": settings["target"]["model"],
+        "max_tokens": generation["max_tokens"],
+        "sampling": generation["sampling"],
+        "endpoint": (generation.get("endpoint") or {}).get("base_url"),
+    }
+
+
 def run(settings: dict, questions_path: Path, staging: Path, output: Path, granted_gpus: int | None) -> Tally:
     check_gpu_slot(settings, granted_gpus)
     generation = settings["generation"]
     questions = read_questions(questions_path)
+    open_staging(staging, answer_shaping_settings(settings))
     records_path = staging / RECORDS
     done = load_records(records_path)
     todo = [q for q in questions if q["id"] not in done]
