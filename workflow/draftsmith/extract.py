@@ -1,0 +1,434 @@
+"""Extraction stage: hidden states of one shard of the prepared dataset, from vLLM.
+
+    python -m draftsmith.extract --settings '{"target": ..., "server": ..., "layers": ...,
+        "extraction": ..., "device": ...}' --dataset DATASET_DIR --shard I --num-shards N
+        --staging STAGING_DIR --output OUTPUT_DIR [--granted-gpus G]
+
+Shard I of N is a contiguous range of dataset rows. One vLLM server (extraction mode)
+is started for the whole shard; every row is requested once, its file is checked by
+the gate (``shard_gate``) and moved to ``STAGING/hs_<row>.safetensors``. A restart
+skips rows whose staged file passes the gate. Only when every row is staged and the
+whole shard passes the gate again are the files published: moved into a fresh
+sibling of ``--output`` that is then renamed to ``--output`` in one step, so the
+output directory appears complete or not at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import openai
+import torch
+from datasets import Dataset, load_from_disk
+from speculators.data_generation.vllm_client import (
+    InvalidResponseError,
+    generate_hidden_states_async,
+    wait_for_lock_async,
+)
+from transformers import AutoConfig
+
+from draftsmith.atomic import publish_directory
+from draftsmith.errors import DraftsmithError
+from draftsmith.hidden_states_connector import CONNECTOR_MODULE, CONNECTOR_NAME
+from draftsmith.layers import LayerPlan, resolve_layers
+from draftsmith.progress import Progress, log
+from draftsmith.server import Endpoint, ServerSpec, managed_server
+from draftsmith.shard_gate import BadSample, check_sample, check_shard, sample_path
+from draftsmith.slot import check_gpu_slot
+
+SHOW_FIRST = 5
+MANIFEST_NAME = "manifest.json"
+VLLM_STORAGE_DIR = "vllm"  # inside staging: same filesystem, so moves are atomic renames
+MAX_BACKOFF_S = 30.0
+# Deterministic failures (bad token ids, wrong key, prompt mismatch): retrying cannot help.
+NOT_RETRIED = (openai.BadRequestError, openai.AuthenticationError, InvalidResponseError)
+
+
+class ExtractionError(DraftsmithError):
+    """The shard could not be completed; the message says what failed and what to do."""
+
+
+@dataclass(frozen=True)
+class SampleShape:
+    """What every file of this target must look like (see ``shard_gate.check_sample``)."""
+
+    num_layers_stored: int
+    hidden_size: int
+    dtype: torch.dtype
+
+    def check(self, path: Path, token_ids: Sequence[int]) -> None:
+        check_sample(path, token_ids, self.num_layers_stored, self.hidden_size, self.dtype)
+
+
+@dataclass
+class ExtractionResult:
+    """What one run did: ``requested`` lists the rows sent to the server this run."""
+
+    rows: range
+    skipped: int = 0
+    requested: list[int] = field(default_factory=list)
+    failures: dict[int, str] = field(default_factory=dict)
+
+
+class ShardRows(Mapping[int, list[int]]):
+    """Row index -> token ids, read lazily from the Arrow dataset (shards can be large)."""
+
+    def __init__(self, dataset: Dataset, rows: range):
+        self._dataset = dataset
+        self.rows = rows
+
+    def __getitem__(self, row: int) -> list[int]:
+        if row not in self.rows:
+            raise KeyError(row)
+        return self._dataset[row]["input_ids"]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def shard_range(num_rows: int, shard: int, num_shards: int) -> range:
+    """Contiguous rows of shard ``shard``; sizes differ by at most one."""
+    if not 0 <= shard < num_shards:
+        raise ExtractionError(f"--shard {shard} must be in 0..{num_shards - 1} (--num-shards)")
+    size, remainder = divmod(num_rows, num_shards)
+    start = shard * size + min(shard, remainder)
+    return range(start, start + size + (1 if shard < remainder else 0))
+
+
+def load_shard(dataset_dir: Path, shard: int, num_shards: int) -> ShardRows:
+    dataset = load_from_disk(str(dataset_dir))
+    if "input_ids" not in dataset.column_names:
+        raise ExtractionError(
+            f"dataset {dataset_dir} has no input_ids column (has {dataset.column_names}); "
+            "pass the directory written by `speculators prepare-data`"
+        )
+    # prepare-data saves torch format; plain lists compare directly with file token ids.
+    return ShardRows(dataset.with_format(None), shard_range(len(dataset), shard, num_shards))
+
+
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def serving_dtype(config_dtype: torch.dtype | None, extra_args: Sequence[str]) -> torch.dtype:
+    """The dtype vLLM will run (and store hidden states) in; it is passed as ``--dtype``.
+
+    A ``--dtype`` in ``server.extra_args`` wins; otherwise the checkpoint's dtype,
+    with float32 served as bfloat16 like vLLM's own ``auto`` does.
+    """
+    requested = _flag_value(extra_args, "--dtype")
+    if requested and requested != "auto":
+        return getattr(torch, {"half": "float16", "float": "float32"}.get(requested, requested))
+    if config_dtype in (None, torch.float32):
+        return torch.bfloat16
+    return config_dtype
+
+
+def target_shape(settings: dict) -> tuple[LayerPlan, SampleShape]:
+    """Layer count, width and dtype from the target's config.json; layers resolved once."""
+    target = settings["target"]
+    config = AutoConfig.from_pretrained(
+        target["model"], trust_remote_code=target.get("trust_remote_code", False)
+    )
+    text_config = config.get_text_config()  # multimodal targets nest the LM config
+    plan = resolve_layers(list(settings["layers"]), text_config.num_hidden_layers)
+    dtype = serving_dtype(
+        getattr(text_config, "dtype", None) or getattr(config, "dtype", None),
+        settings["server"].get("extra_args", []),
+    )
+    return plan, SampleShape(len(plan.vllm_ids), text_config.hidden_size, dtype)
+
+
+def extraction_server_args(plan: LayerPlan, storage_dir: Path, dtype: torch.dtype) -> list[str]:
+    """vLLM flags for extraction mode; ids are all stored layers, in vLLM's numbering."""
+    speculative = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": plan.vllm_ids}},
+    }
+    kv_transfer = {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)},
+    }
+    return [
+        "--speculative-config", json.dumps(speculative),
+        "--kv-transfer-config", json.dumps(kv_transfer),
+        "--dtype", str(dtype).removeprefix("torch."),
+    ]  # fmt: skip
+
+
+def check_settings(settings: dict, rows: ShardRows) -> None:
+    """Fail before the (slow) model load on what would fail every request later."""
+    server = settings["server"]
+    if (
+        settings.get("device") == "cpu"
+        and server["tensor_parallel_size"] > 1
+        and "VLLM_CPU_OMP_THREADS_BIND" not in server.get("env", {})
+    ):
+        raise ExtractionError(
+            "device cpu with tensor_parallel_size > 1 needs server.env "
+            'VLLM_CPU_OMP_THREADS_BIND (one core set per rank, e.g. "0|1")'
+        )
+    limit = server.get("max_model_len")
+    if limit:
+        longest = max(rows.rows, key=lambda row: len(rows[row]), default=None)
+        if longest is not None and len(rows[longest]) + 1 > limit:
+            raise ExtractionError(
+                f"row {longest} has {len(rows[longest])} tokens but server.max_model_len is "
+                f"{limit}; raise it above the dataset's seq_length"
+            )
+
+
+def _first_few(failures: Mapping[int, str]) -> str:
+    shown = [f"row {row}: {reason}" for row, reason in sorted(failures.items())[:SHOW_FIRST]]
+    return "; ".join(shown) + ("; ..." if len(failures) > SHOW_FIRST else "")
+
+
+def rows_to_request(staging: Path, rows: ShardRows, shape: SampleShape) -> list[int]:
+    """Resume: rows whose staged file is missing or fails the gate (bad files are removed)."""
+    todo, corrupt = [], {}
+    for row in rows:
+        path = sample_path(staging, row)
+        if not path.exists():
+            todo.append(row)
+            continue
+        try:
+            shape.check(path, rows[row])
+        except BadSample as error:
+            corrupt[row] = str(error)
+            path.unlink()
+            todo.append(row)
+    skipped = len(rows) - len(todo)
+    log(f"resume: {skipped} of {len(rows)} rows already staged and valid, {len(todo)} to request")
+    if corrupt:
+        log(f"resume: removed {len(corrupt)} staged file(s) that failed the gate: "
+            f"{_first_few(corrupt)}")  # fmt: skip
+    return todo
+
+
+def _discard(path: str) -> None:
+    for leftover in (path, path + ".lock"):
+        if os.path.exists(leftover):
+            os.remove(leftover)
+
+
+async def _extract_one(
+    client: openai.AsyncOpenAI,
+    endpoint: Endpoint,
+    row: int,
+    token_ids: list[int],
+    staging: Path,
+    shape: SampleShape,
+    timeout_s: float,
+) -> None:
+    # speculators' own client: the completions request with token ids, max_tokens=1 and
+    # the prompt-token check; retries are ours (below), so it gets max_retries=0.
+    vllm_path, _ = await generate_hidden_states_async(
+        client, endpoint.model, {"input_ids": token_ids}, timeout=timeout_s, max_retries=0
+    )
+    try:
+        if os.path.exists(vllm_path + ".lock"):
+            await wait_for_lock_async(vllm_path + ".lock", timeout=timeout_s)
+        await asyncio.to_thread(shape.check, Path(vllm_path), token_ids)
+        os.replace(vllm_path, sample_path(staging, row))
+    finally:
+        _discard(vllm_path)
+
+
+async def extract_rows(
+    endpoint: Endpoint,
+    rows: ShardRows,
+    todo: list[int],
+    staging: Path,
+    shape: SampleShape,
+    extraction: dict,
+) -> dict[int, str]:
+    """Request every row in ``todo`` with bounded concurrency; return row -> failure reason."""
+    concurrency = extraction["concurrency"]
+    attempts = extraction["max_retries"] + 1
+    timeout_s = extraction["request_timeout_s"]
+    # A dead server makes every row fail; stop instead of churning through the shard.
+    give_up_after = max(2 * concurrency, 8)
+    failures: dict[int, str] = {}
+    progress = Progress("extract", len(rows), already_done=len(rows) - len(todo))
+    semaphore = asyncio.Semaphore(concurrency)
+    consecutive = 0
+
+    async def attempt(row: int) -> str | None:
+        """Extract one row with retries; the failure reason, or None when staged."""
+        for number in itertools.count(1):
+            try:
+                await _extract_one(client, endpoint, row, rows[row], staging, shape, timeout_s)
+                return None
+            except Exception as error:  # request, lock, gate or filesystem
+                reason = f"{type(error).__name__}: {error}"
+                if number == attempts or isinstance(error, NOT_RETRIED):
+                    return reason
+                log(f"row {row}: attempt {number}/{attempts} failed ({reason}); retrying")
+                await asyncio.sleep(min(2.0**number, MAX_BACKOFF_S))
+
+    async def one(row: int) -> None:
+        nonlocal consecutive
+        async with semaphore:
+            reason = await attempt(row)
+        if reason is None:
+            consecutive = 0
+            progress.advance(ok=1)
+            return
+        failures[row] = reason
+        consecutive += 1
+        progress.advance(failed=1)
+        if consecutive >= give_up_after:
+            raise ExtractionError(
+                f"{consecutive} rows in a row failed (last: row {row}: {reason}); "
+                "the server is likely down or misconfigured, see its log"
+            )
+
+    # The key-protected server needs our key: `speculators generate-offline-data`
+    # hard-codes api_key="EMPTY", so its client functions are used as a library here.
+    # Its logger reports every final failure as "timed out"; failures are reported here.
+    logging.getLogger("speculators.data_generation.vllm_client").setLevel(logging.CRITICAL)
+    async with openai.AsyncOpenAI(
+        base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0
+    ) as client:
+        try:
+            async with asyncio.TaskGroup() as group:
+                for row in todo:
+                    group.create_task(one(row))
+        except* ExtractionError as group_error:
+            raise group_error.exceptions[0] from None
+    return failures
+
+
+def publishing_dir(output: Path) -> Path:
+    return output.with_name(f".{output.name}.publishing")
+
+
+def _recover_interrupted_publish(fresh: Path, staging: Path) -> None:
+    """A crash between moving files and the final rename leaves them in ``fresh``."""
+    if not fresh.exists():
+        return
+    moved = list(fresh.glob("hs_*.safetensors"))
+    for path in moved:
+        os.replace(path, staging / path.name)
+    shutil.rmtree(fresh)
+    log(f"recovered {len(moved)} file(s) from an interrupted publish in {fresh}")
+
+
+def manifest(rows: ShardRows, plan: LayerPlan, shape: SampleShape, staging: Path) -> dict:
+    return {
+        "rows": [rows.rows.start, rows.rows.stop],
+        "num_rows": len(rows),
+        "config_layers": list(plan.config_layers),
+        "vllm_layer_ids": plan.vllm_ids,
+        "num_layers": plan.num_layers,
+        "hidden_size": shape.hidden_size,
+        "dtype": str(shape.dtype).removeprefix("torch."),
+        "num_tokens": sum(len(rows[row]) for row in rows),
+        "bytes": sum(sample_path(staging, row).stat().st_size for row in rows),
+    }
+
+
+def publish(staging: Path, output: Path, rows: ShardRows, info: dict) -> None:
+    """Move the staged files into a fresh sibling of ``output``, then rename it into place."""
+    fresh = publishing_dir(output)
+    fresh.mkdir(parents=True)
+    for row in rows:
+        try:
+            os.rename(sample_path(staging, row), sample_path(fresh, row))
+        except OSError as error:
+            raise ExtractionError(
+                f"cannot move staged files into {fresh} ({error}); staging and output must "
+                "be on the same filesystem"
+            ) from error
+    (fresh / MANIFEST_NAME).write_text(json.dumps(info, indent=2) + "\n")
+    publish_directory(fresh, output)
+
+
+def run(
+    settings: dict,
+    dataset_dir: Path,
+    shard: int,
+    num_shards: int,
+    staging: Path,
+    output: Path,
+    granted_gpus: int | None = None,
+) -> ExtractionResult:
+    """Extract, resume, gate and publish one shard; raise ``ExtractionError`` if incomplete."""
+    check_gpu_slot(settings, granted_gpus)
+    rows = load_shard(dataset_dir, shard, num_shards)
+    plan, shape = target_shape(settings)
+    check_settings(settings, rows)
+    log(f"shard {shard}/{num_shards}: rows {rows.rows.start}..{rows.rows.stop - 1}, "
+        f"vLLM layer ids {plan.vllm_ids}, hidden {shape.hidden_size}, {shape.dtype}")  # fmt: skip
+    staging.mkdir(parents=True, exist_ok=True)
+    _recover_interrupted_publish(publishing_dir(output), staging)
+    storage = staging / VLLM_STORAGE_DIR
+    shutil.rmtree(storage, ignore_errors=True)  # leftovers of a killed server
+    storage.mkdir()
+
+    todo = rows_to_request(staging, rows, shape)
+    result = ExtractionResult(rows.rows, skipped=len(rows) - len(todo), requested=todo)
+    if todo:
+        spec = ServerSpec.from_config(
+            settings, extra_args=extraction_server_args(plan, storage, shape.dtype)
+        )
+        with managed_server(spec) as endpoint:
+            result.failures = asyncio.run(
+                extract_rows(endpoint, rows, todo, staging, shape, settings["extraction"])
+            )
+    if result.failures:
+        raise ExtractionError(
+            f"{len(result.failures)} of {len(rows)} rows failed: {_first_few(result.failures)}. "
+            "Staged rows are kept; rerun to retry only the missing ones"
+        )
+    check_shard(staging, rows, shape.num_layers_stored, shape.hidden_size, shape.dtype)
+    publish(staging, output, rows, manifest(rows, plan, shape, staging))
+    shutil.rmtree(storage)
+    log(f"published {len(rows)} samples to {output}")
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m draftsmith.extract",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--settings", required=True, help="JSON: target, server, layers, extraction, device"
+    )
+    parser.add_argument("--dataset", required=True, type=Path, help="prepare-data output")
+    parser.add_argument("--shard", required=True, type=int)
+    parser.add_argument("--num-shards", required=True, type=int)
+    parser.add_argument("--staging", required=True, type=Path, help="resumable work dir")
+    parser.add_argument("--output", required=True, type=Path, help="published shard dir")
+    parser.add_argument("--granted-gpus", type=int, default=None, help="what Snakemake granted")
+    args = parser.parse_args(argv)
+    run(json.loads(args.settings), args.dataset, args.shard, args.num_shards,
+        args.staging, args.output, args.granted_gpus)  # fmt: skip
+
+
+if __name__ == "__main__":
+    from draftsmith.cli import run_main
+
+    run_main(main)
