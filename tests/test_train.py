@@ -1,0 +1,198 @@
+"""The training stage: real `speculators train` on CPU over a tiny target and synthetic states."""
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import load_from_disk
+from safetensors.torch import save_file
+from transformers import AutoConfig
+
+from draftsmith import speculators_cpu
+from draftsmith.demo_model import build_demo_model
+from draftsmith.layers import resolve_layers
+from draftsmith.slot import GpuSlotError
+from draftsmith.train import (
+    TrainError,
+    TrainPaths,
+    drop_unfinished_epoch,
+    reset_if_changed,
+    run,
+    speculators_args,
+    train_command,
+    training_processes,
+)
+
+LAYERS = [1, 2, 4, 5]  # the demo's: aux vLLM ids 2, 3, 5; layer 5 (of 6) is the target
+AUX_VLLM_IDS = [2, 3, 5]
+HIDDEN = 128
+ROWS = 8
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("train_target") / "model"
+    build_demo_model(path, train_seconds=2, eval_per_task=0)
+    return path
+
+
+@pytest.fixture(scope="module")
+def dataset(target, tmp_path_factory) -> Path:
+    """A prepare-data output over pre-tokenized rows, with row_ids.json as the dataset stage writes."""
+    root = tmp_path_factory.mktemp("train_data")
+    rng = random.Random(0)
+    rows = []
+    for _ in range(ROWS):
+        length = rng.randint(20, 40)
+        rows.append({"input_ids": [1] + [rng.randint(9, 200) for _ in range(length)],
+                     "loss_mask": [0] * 10 + [1] * (length - 9)})
+    source = root / "rows.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    output = root / "dataset"
+    subprocess.run(
+        [sys.executable, "-m", "speculators", "prepare-data", "--model", str(target),
+         "--data", str(source), "--output", str(output), "--seq-length", "64",
+         "--no-skip-token-freq", "--token-freq-path", str(output / "token_freq.pt"),
+         "--num-preprocessing-workers", "1"],
+        check=True, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    (output / "row_ids.json").write_text(json.dumps([f"q-{i}" for i in range(ROWS)]))
+    return output
+
+
+@pytest.fixture(scope="module")
+def hidden_states(dataset, tmp_path_factory) -> Path:
+    """Random bf16 states of the right shape for every row; the token ids match the row."""
+    directory = tmp_path_factory.mktemp("hidden_states")
+    for row, input_ids in enumerate(load_from_disk(str(dataset)).with_format(None)["input_ids"]):
+        save_file({"hidden_states": torch.randn(len(input_ids), len(LAYERS), HIDDEN).to(torch.bfloat16),
+                   "token_ids": torch.tensor(input_ids)},
+                  directory / f"hs_{row}.safetensors")  # fmt: skip
+    return directory
+
+
+def settings(target: Path, **training) -> dict:
+    return {
+        "target": {"model": str(target), "trust_remote_code": False},
+        "layers": LAYERS,
+        "device": "cpu",
+        "gpu_slot": 1,
+        "server": {"tensor_parallel_size": 1, "data_parallel_size": 1},
+        "training": {"epochs": 2, "lr": 1e-3, "draft_vocab_size": 100, "total_seq_len": 128,
+                     "num_layers": 1, "seed": 0, "extra_args": [], **training},
+        "evaluation": {"num_speculative_tokens": 3},
+    }
+
+
+def stage_paths(root: Path, dataset: Path, hidden_states: Path) -> TrainPaths:
+    return TrainPaths(dataset, hidden_states, root / "staging", root / "drafter", root / "spec.json")
+
+
+def test_trains_on_cpu_and_publishes_drafter(target, dataset, hidden_states, tmp_path):
+    paths = stage_paths(tmp_path, dataset, hidden_states)
+    run(settings(target), paths)
+
+    assert sorted(p.name for p in paths.output.iterdir()) == [
+        "config.json", "model.safetensors", "training_metrics.json"]
+    config = json.loads((paths.output / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["eagle_aux_hidden_state_layer_ids"] == AUX_VLLM_IDS
+    assert config["draft_vocab_size"] == 100
+    assert json.loads(paths.spec_config.read_text()) == {
+        "model": str(paths.output.resolve()), "method": "eagle3", "num_speculative_tokens": 3}
+    metrics = json.loads((paths.output / "training_metrics.json").read_text())
+    assert [e["epoch"] for e in metrics["epochs"]] == [0, 1]
+    assert metrics["published_epoch"] in (0, 1)
+    for epoch in metrics["epochs"]:
+        assert epoch["steps"] > 0
+        assert {"loss", "full_acc_0"} <= set(epoch["train"]) and {"loss", "full_acc_0"} <= set(epoch["val"])
+
+
+def test_draft_vocab_larger_than_target_fails_fast(target, dataset, hidden_states, tmp_path):
+    paths = stage_paths(tmp_path, dataset, hidden_states)
+    vocab = AutoConfig.from_pretrained(target).vocab_size
+    with pytest.raises(TrainError, match=rf"draft_vocab_size {vocab + 1} .* vocabulary size {vocab};"):
+        run(settings(target, draft_vocab_size=vocab + 1), paths)
+    assert not paths.staging.exists()
+
+
+def test_missing_hidden_states_fail_fast_naming_the_row(target, dataset, hidden_states, tmp_path):
+    partial = tmp_path / "hidden_states"
+    partial.mkdir()
+    for row in range(ROWS):
+        if row != 3:
+            (partial / f"hs_{row}.safetensors").symlink_to(hidden_states / f"hs_{row}.safetensors")
+    paths = stage_paths(tmp_path, dataset, partial)
+    with pytest.raises(TrainError, match=r"1 of 8 dataset rows .*: row 3 \(question q-3\); rerun"):
+        run(settings(target), paths)
+    assert not paths.staging.exists()
+
+
+def test_rerun_with_more_epochs_resumes_from_checkpoint(target, dataset, hidden_states, tmp_path, capfd):
+    paths = stage_paths(tmp_path, dataset, hidden_states)
+    run(settings(target, epochs=1), paths)
+    first_log = capfd.readouterr().out
+    assert "Starting fresh training run" in first_log
+    epoch0 = paths.checkpoints / "0" / "model.safetensors"
+    epoch0_written = epoch0.stat().st_mtime_ns
+
+    run(settings(target, epochs=2), paths)
+    second_log = capfd.readouterr().out
+    assert "Resuming training on epoch 1" in second_log
+    assert "Training epoch 1/2 started" not in second_log  # epoch 0 is not trained again
+    assert "Training epoch 2/2 started" in second_log
+    assert epoch0.stat().st_mtime_ns == epoch0_written
+    metrics = json.loads((paths.output / "training_metrics.json").read_text())
+    assert [e["epoch"] for e in metrics["epochs"]] == [0, 1]
+
+
+def test_changed_arguments_or_unfinished_epoch_drop_checkpoints(target, dataset, hidden_states, tmp_path):
+    paths = stage_paths(tmp_path, dataset, hidden_states)
+    plan = resolve_layers(LAYERS, 6)
+    for epoch in ("0", "1"):
+        (paths.checkpoints / epoch).mkdir(parents=True)
+    (paths.checkpoints / "0" / "training_state.json").write_text("{}")
+    drop_unfinished_epoch(paths.checkpoints)  # epoch 1 lacks the state file written last
+    assert sorted(p.name for p in paths.checkpoints.iterdir()) == ["0"]
+
+    reset_if_changed(paths, speculators_args(settings(target), plan, paths), epochs=2)
+    reset_if_changed(paths, speculators_args(settings(target, epochs=5), plan, paths), epochs=5)
+    assert (paths.checkpoints / "0").is_dir()  # more epochs continue
+    reset_if_changed(paths, speculators_args(settings(target, lr=0.1), plan, paths), epochs=5)
+    assert not paths.checkpoints.exists()
+
+
+def test_cuda_runs_one_torchrun_process_per_gpu_of_the_slot(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    kimi = {**settings(Path("/models/kimi")), "device": "cuda", "gpu_slot": 8,
+            "layers": [2, 30, 58, 60],
+            "server": {"tensor_parallel_size": 8, "data_parallel_size": 1}}
+    plan = resolve_layers(kimi["layers"], 61)
+    paths = stage_paths(tmp_path, tmp_path / "dataset", tmp_path / "hs")
+
+    command = train_command(kimi, plan, paths, training_processes(kimi, granted=8))
+
+    assert command[:10] == [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            "--nproc-per-node", "8", "-m", "draftsmith.speculators_cpu", "train",
+                            "--verifier-name-or-path"]  # fmt: skip
+    flags = " ".join(command)
+    assert " --target-layer-ids 3 31 59 --" in flags
+    for expected in ("--on-missing raise", "--num-workers 0", "--draft-attn-impl sdpa",
+                     "--loss-implementation eager", f"--save-path {paths.checkpoints}",
+                     f"--hidden-states-path {tmp_path / 'hs'}"):
+        assert expected in flags
+    with pytest.raises(GpuSlotError, match="granted 4"):
+        training_processes(kimi, granted=4)
+
+
+def test_cpu_adaptations_leave_an_accelerator_machine_alone(monkeypatch):
+    from speculators.train import cli
+
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    trainer_class = cli.Trainer
+    assert speculators_cpu.apply() is False
+    assert cli.Trainer is trainer_class

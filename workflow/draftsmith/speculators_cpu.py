@@ -1,0 +1,94 @@
+"""Run the real `speculators` CLI, adapted for a machine without an accelerator.
+
+    python -m draftsmith.speculators_cpu train ARGS...   # == speculators train ARGS...
+
+speculators 0.9.0 trains on CPU once three accelerator assumptions are lifted
+(all in `speculators.train`, checked against 0.9.0):
+- the Trainer moves the model and every batch to ``get_local_rank()`` (the int 0, i.e.
+  the first accelerator) and autocasts on ``"cuda"`` when no accelerator exists;
+- its step timer calls ``torch.accelerator.synchronize()``, which raises without one;
+- its checkpointer loads a checkpoint onto ``get_current_device()``, which answers
+  ``"cuda:0"`` without an accelerator, so resuming fails.
+`apply()` changes nothing where an accelerator is present, so the same entry point
+serves CUDA runs (under torchrun) unchanged.
+
+Independently, ``DRAFTSMITH_METRICS_FILE=PATH`` appends every metric record speculators
+logs (per step and per validation epoch) to PATH as JSON lines: speculators keeps them
+only on the console unless tensorboard/wandb/trackio/mlflow is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+METRICS_FILE_ENV = "DRAFTSMITH_METRICS_FILE"
+
+
+def apply() -> bool:
+    """Adapt speculators' trainer to CPU when no accelerator is present; True if it did."""
+    if torch.accelerator.is_available():
+        return False
+    from speculators.train import checkpointer, cli, trainer
+
+    class CpuTrainer(trainer.Trainer):
+        def setup_model(self) -> None:
+            # setup_model is the first step that uses the device; __init__ set both fields
+            # from the (absent) accelerator just before.
+            self.local_rank = "cpu"
+            self.device_type = "cpu"
+            super().setup_model()
+
+    cli.Trainer = CpuTrainer
+    checkpointer.get_current_device = lambda: "cpu"
+    # CPU work is synchronous: there is nothing to wait for.
+    torch.accelerator.synchronize = lambda device=None: None
+    return True
+
+
+class JsonLinesHandler(logging.Handler):
+    """Appends mapping records (speculators' metric format) as JSON lines, on rank 0 only."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = path
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not isinstance(record.msg, Mapping) or getattr(record, "hparams", False):
+            return
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record.msg, default=float) + "\n")
+
+
+def record_metrics(path: Path) -> None:
+    """Attach the JSON-lines sink after speculators configures its metric logger
+    (its dictConfig drops handlers attached earlier)."""
+    from speculators.train import cli
+
+    configure = cli.setup_metric_logger
+
+    def setup_then_attach(*args, **kwargs) -> None:
+        configure(*args, **kwargs)
+        if int(os.environ.get("RANK", "0")) == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            logging.getLogger("speculators.metrics").addHandler(JsonLinesHandler(path))
+
+    cli.setup_metric_logger = setup_then_attach
+
+
+def main() -> None:
+    from speculators.cli import app
+
+    apply()
+    if metrics_file := os.environ.get(METRICS_FILE_ENV):
+        record_metrics(Path(metrics_file))
+    app()  # reads sys.argv like the `speculators` console script
+
+
+if __name__ == "__main__":
+    main()

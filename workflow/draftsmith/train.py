@@ -1,0 +1,390 @@
+"""Training stage: `speculators train` on the extracted hidden states, published for vLLM.
+
+    python -m draftsmith.train --settings JSON --dataset DIR --hidden-states DIR \
+        --staging DIR --output DIR --spec-config FILE [--granted-gpus N]
+
+Everything a user can get wrong is checked before any work: the draft vocabulary
+against the target's, the layers against the target, a hidden-state file for every
+dataset row. On CPU the trainer runs through ``draftsmith.speculators_cpu``; on CUDA
+under torchrun with one process per GPU of the slot.
+
+Checkpoints live in ``STAGING/checkpoints``, outside the declared outputs, so a crash
+or a Snakemake rerun keeps them: speculators resumes by itself from the newest epoch
+there. Raising ``training.epochs`` continues from the last epoch; any other change of
+the arguments starts afresh (``STAGING/train_args.json`` remembers them). The best
+epoch (lowest validation loss, else the newest) is copied without optimizer state to
+``--output`` in one rename, with ``training_metrics.json``; ``--spec-config`` gets the
+JSON for vLLM's ``--speculative-config``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from datasets import load_from_disk
+from safetensors import safe_open
+from transformers import AutoConfig, PretrainedConfig
+
+from draftsmith.atomic import atomic_write_text, publish_directory
+from draftsmith.errors import DraftsmithError
+from draftsmith.layers import LayerPlan, resolve_layers
+from draftsmith.progress import log
+from draftsmith.server import _die_with_parent, stop_process_group
+from draftsmith.slot import GpuSlotError, check_gpu_slot
+from draftsmith.speculators_cpu import METRICS_FILE_ENV
+
+DRAFTER_FILES = ("config.json", "model.safetensors")  # what vLLM loads; no optimizer state
+SHOW_MISSING = 5
+
+
+class TrainError(DraftsmithError):
+    pass
+
+
+@dataclass(frozen=True)
+class TrainPaths:
+    dataset: Path
+    hidden_states: Path
+    staging: Path
+    output: Path
+    spec_config: Path
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.staging / "checkpoints"
+
+    @property
+    def metrics(self) -> Path:
+        return self.staging / "metrics.jsonl"
+
+    @property
+    def args_record(self) -> Path:
+        return self.staging / "train_args.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks before any work
+# ---------------------------------------------------------------------------------------------
+
+
+def target_text_config(target: dict) -> PretrainedConfig:
+    config = AutoConfig.from_pretrained(
+        target["model"], trust_remote_code=target.get("trust_remote_code", False)
+    )
+    return config.get_text_config()  # multimodal targets nest the LM config
+
+
+def check_draft_vocab(draft_vocab_size: int, target_vocab_size: int) -> None:
+    # speculators itself fails with an IndexError deep in vocab_mapping.py.
+    if not 0 < draft_vocab_size <= target_vocab_size:
+        raise TrainError(
+            f"training.draft_vocab_size {draft_vocab_size} must be between 1 and the target's "
+            f"vocabulary size {target_vocab_size}; lower training.draft_vocab_size"
+        )
+
+
+def hidden_state_file(hidden_states: Path, row: int) -> Path:
+    """The file `speculators train` reads for dataset row ``row`` (hs_connectors.FileTransfer)."""
+    return hidden_states / f"hs_{row}.safetensors"
+
+
+def row_label(dataset: Path, row: int) -> str:
+    row_ids = dataset / "row_ids.json"
+    if row_ids.is_file():
+        return f"row {row} (question {json.loads(row_ids.read_text())[row]})"
+    return f"row {row}"
+
+
+def check_dataset(dataset: Path) -> int:
+    """Number of rows; the token frequencies the draft vocabulary is built from must be there."""
+    if not (dataset / "token_freq.pt").is_file():
+        raise TrainError(f"{dataset}/token_freq.pt is missing; rerun the dataset stage")
+    rows = load_from_disk(str(dataset)).num_rows
+    if rows == 0:
+        raise TrainError(f"the dataset {dataset} has no rows; check the dataset stage's log")
+    return rows
+
+
+def check_hidden_states(paths: TrainPaths, rows: int, stored_layers: int, hidden_size: int) -> None:
+    """Every row has its file (speculators would stop at the first gap, mid-epoch), and
+    the first file has the stored layers and width this target and config imply."""
+    missing = [
+        row for row in range(rows) if not hidden_state_file(paths.hidden_states, row).is_file()
+    ]
+    if missing:
+        named = ", ".join(row_label(paths.dataset, row) for row in missing[:SHOW_MISSING])
+        more = f" and {len(missing) - SHOW_MISSING} more" if len(missing) > SHOW_MISSING else ""
+        raise TrainError(
+            f"no hidden states for {len(missing)} of {rows} dataset rows in {paths.hidden_states}: "
+            f"{named}{more}; rerun the extraction stage"
+        )
+    first = hidden_state_file(paths.hidden_states, 0)
+    with safe_open(first, framework="pt") as handle:
+        shape = handle.get_slice("hidden_states").get_shape()
+    if len(shape) != 3 or shape[1:] != [stored_layers, hidden_size]:
+        raise TrainError(
+            f"{first} holds hidden states of shape {shape}, expected [tokens, {stored_layers}, "
+            f"{hidden_size}] for layers of this config; rerun the extraction stage"
+        )
+
+
+def preflight(settings: dict, paths: TrainPaths) -> LayerPlan:
+    text_config = target_text_config(settings["target"])
+    check_draft_vocab(settings["training"]["draft_vocab_size"], text_config.vocab_size)
+    plan = resolve_layers(list(settings["layers"]), text_config.num_hidden_layers)
+    rows = check_dataset(paths.dataset)
+    check_hidden_states(paths, rows, len(plan.vllm_ids), text_config.hidden_size)
+    log(f"checked: {rows} rows with hidden states, aux vLLM ids {plan.aux_vllm_ids}")
+    return plan
+
+
+def training_processes(settings: dict, granted: int | None) -> int:
+    """One trainer process per GPU of the slot; 1 on CPU."""
+    if settings["device"] != "cuda":
+        return 1
+    check_gpu_slot(settings, granted)
+    slot = settings["gpu_slot"]
+    if granted is not None and granted < slot:
+        raise GpuSlotError(
+            f"training runs on gpu_slot={slot} GPUs but this job was granted {granted}; run "
+            f"snakemake with --resources gpu={slot} (or lower gpu_slot)"
+        )
+    return slot
+
+
+# ---------------------------------------------------------------------------------------------
+# The speculators command
+# ---------------------------------------------------------------------------------------------
+
+
+def speculators_args(settings: dict, plan: LayerPlan, paths: TrainPaths) -> list[str]:
+    """Arguments of `speculators train` (flags from DESIGN.md's CPU and H200 runs)."""
+    training = settings["training"]
+    argv = [
+        "--verifier-name-or-path", settings["target"]["model"],
+        # The auxiliary ids only: the last stored layer is the training target.
+        "--target-layer-ids", *map(str, plan.aux_vllm_ids),
+        "--token-freq-path", str(paths.dataset / "token_freq.pt"),
+        "--draft-vocab-size", str(training["draft_vocab_size"]),
+        "--num-layers", str(training["num_layers"]),
+        "--epochs", str(training["epochs"]),
+        "--lr", str(training["lr"]),
+        "--total-seq-len", str(training["total_seq_len"]),
+        "--seed", str(training["seed"]),
+        "--save-path", str(paths.checkpoints),
+        "--data-path", str(paths.dataset),
+        "--hidden-states-path", str(paths.hidden_states),
+        "--on-missing", "raise",  # never fall back to generating through a vLLM endpoint
+        "--num-workers", "0",
+        "--draft-attn-impl", "sdpa",
+        "--loss-implementation", "eager",  # the fused Triton loss crashed under torch.compile
+    ]  # fmt: skip
+    if settings["target"]["trust_remote_code"]:
+        argv.append("--trust-remote-code")
+    return argv + list(training["extra_args"])
+
+
+def launcher(settings: dict, processes: int) -> list[str]:
+    entry = ["-m", "draftsmith.speculators_cpu", "train"]
+    if settings["device"] != "cuda":
+        return [sys.executable, *entry]
+    # --standalone: a private rendezvous on a free port, so two jobs on a host never collide.
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(processes), *entry]  # fmt: skip
+
+
+def train_command(settings: dict, plan: LayerPlan, paths: TrainPaths, processes: int) -> list[str]:
+    return launcher(settings, processes) + speculators_args(settings, plan, paths)
+
+
+# ---------------------------------------------------------------------------------------------
+# Resume
+# ---------------------------------------------------------------------------------------------
+
+
+def without_epochs(args: list[str]) -> list[str]:
+    index = args.index("--epochs")
+    return args[:index] + args[index + 2 :]
+
+
+def reset_if_changed(paths: TrainPaths, args: list[str], epochs: int) -> None:
+    """Drop checkpoints trained with other arguments or past the requested epochs;
+    more epochs than before continue them."""
+    recorded = without_epochs(args)
+    changed = paths.args_record.is_file() and json.loads(paths.args_record.read_text()) != recorded
+    finished = epoch_dirs(paths.checkpoints)
+    if changed or (finished and int(finished[-1].name) >= epochs):
+        reason = "training arguments changed" if changed else f"more than {epochs} epochs trained"
+        log(f"{reason} since the checkpoints in {paths.checkpoints}: starting afresh")
+        shutil.rmtree(paths.checkpoints, ignore_errors=True)
+        paths.metrics.unlink(missing_ok=True)
+    atomic_write_text(paths.args_record, json.dumps(recorded) + "\n")
+
+
+def epoch_dirs(checkpoints: Path) -> list[Path]:
+    if not checkpoints.is_dir():
+        return []
+    # Skip speculators' links (checkpoint_best, epoch3_end) and "interrupted", which it ignores.
+    found = [d for d in checkpoints.iterdir()
+             if d.is_dir() and not d.is_symlink() and d.name.isdigit()]
+    return sorted(found, key=lambda d: int(d.name))
+
+
+def drop_unfinished_epoch(checkpoints: Path) -> None:
+    """A crash while saving leaves an epoch without training_state.json (written last);
+    speculators would try to resume from it, so it goes and that epoch is retrained."""
+    epochs = epoch_dirs(checkpoints)
+    if epochs and not (epochs[-1] / "training_state.json").is_file():
+        log(f"removing unfinished checkpoint {epochs[-1]}")
+        shutil.rmtree(epochs[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Run and publish
+# ---------------------------------------------------------------------------------------------
+
+
+def run_trainer(command: list[str], metrics_file: Path) -> None:
+    # Rich wraps log lines at 80 columns when writing to a file; wide lines stay greppable.
+    env = {"COLUMNS": "200", **os.environ, METRICS_FILE_ENV: str(metrics_file)}
+    log("running: " + " ".join(command))
+    sys.stderr.flush()
+    # Its own process group, so torchrun's workers are stopped with it (see server.py).
+    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env,
+                               start_new_session=True, preexec_fn=_die_with_parent)
+    try:
+        returncode = process.wait()
+    finally:
+        stop_process_group(process)
+    if returncode != 0:
+        raise TrainError(f"speculators train failed (exit {returncode}); see the log above")
+
+
+def chosen_epoch(checkpoints: Path) -> Path:
+    """The epoch with the lowest validation loss (speculators' checkpoint_best), else the newest."""
+    best = checkpoints / "checkpoint_best"
+    if best.is_dir():
+        return best.resolve()
+    epochs = epoch_dirs(checkpoints)
+    if not epochs:
+        raise TrainError(f"speculators train finished without a checkpoint in {checkpoints}")
+    return epochs[-1]
+
+
+def stage_drafter(epoch_dir: Path, plan: LayerPlan, drafter: Path) -> None:
+    """Copy what vLLM loads and make sure the config names the aux layers we extracted."""
+    drafter.mkdir(parents=True)
+    for name in DRAFTER_FILES:
+        shutil.copy2(epoch_dir / name, drafter / name)
+    config_path = drafter / "config.json"
+    config = json.loads(config_path.read_text())
+    model_type = config.get("speculators_model_type")
+    if model_type != "eagle3":
+        raise TrainError(f"{epoch_dir}/config.json has speculators_model_type {model_type!r}, "
+                         "expected 'eagle3'; check training.extra_args")
+    # vLLM captures exactly these ids at serving time: they must be the ones trained on.
+    found = config.get("eagle_aux_hidden_state_layer_ids")
+    if found != plan.aux_vllm_ids:
+        log(f"setting eagle_aux_hidden_state_layer_ids {found} -> {plan.aux_vllm_ids}")
+        config["eagle_aux_hidden_state_layer_ids"] = plan.aux_vllm_ids
+        atomic_write_text(config_path, json.dumps(config, indent=2) + "\n")
+
+
+def read_metric_records(metrics_file: Path) -> tuple[dict[int, dict], dict[int, dict]]:
+    """Train records by global step and validation records by epoch; a rerun's records
+    (after a resume) replace the ones it repeats."""
+    steps: dict[int, dict] = {}
+    validations: dict[int, dict] = {}
+    if metrics_file.is_file():
+        for line in metrics_file.read_text(encoding="utf-8").splitlines():
+            record = json.loads(line)
+            if "train" in record:
+                steps[record["global_step"]] = record
+            elif "val" in record:
+                validations[record["epoch"]] = record
+    return steps, validations
+
+
+def epoch_metrics(metrics_file: Path) -> list[dict]:
+    """Per epoch: the mean of each training metric over its steps, and the validation
+    metrics (speculators' ``*_epoch`` names without the suffix)."""
+    steps, validations = read_metric_records(metrics_file)
+    by_epoch: dict[int, list[dict]] = {}
+    for record in steps.values():
+        by_epoch.setdefault(record["epoch"], []).append(record["train"])
+    result = []
+    for epoch in sorted(set(by_epoch) | set(validations)):
+        train = by_epoch.get(epoch, [])
+        result.append({
+            "epoch": epoch,
+            "steps": len(train),
+            "train": {key: sum(step[key] for step in train) / len(train)
+                      for key in (train[0] if train else {})},
+            "val": {key.removesuffix("_epoch"): value
+                    for key, value in validations.get(epoch, {}).get("val", {}).items()},
+        })  # fmt: skip
+    return result
+
+
+def speculative_config(drafter: Path, num_speculative_tokens: int) -> dict:
+    return {"model": str(drafter.resolve()), "method": "eagle3",
+            "num_speculative_tokens": num_speculative_tokens}  # fmt: skip
+
+
+def publish(settings: dict, plan: LayerPlan, paths: TrainPaths) -> None:
+    epoch_dir = chosen_epoch(paths.checkpoints)
+    partial = paths.staging / "drafter.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    stage_drafter(epoch_dir, plan, partial)
+    metrics = {"published_epoch": int(epoch_dir.name), "epochs": epoch_metrics(paths.metrics)}
+    atomic_write_text(partial / "training_metrics.json", json.dumps(metrics, indent=2) + "\n")
+    publish_directory(partial, paths.output)
+    spec = speculative_config(paths.output, settings["evaluation"]["num_speculative_tokens"])
+    atomic_write_text(paths.spec_config, json.dumps(spec) + "\n")
+    log(f"published epoch {epoch_dir.name} to {paths.output}; vLLM config in {paths.spec_config}")
+
+
+def run(settings: dict, paths: TrainPaths, granted: int | None = None) -> None:
+    processes = training_processes(settings, granted)
+    plan = preflight(settings, paths)
+    command = train_command(settings, plan, paths, processes)
+    paths.staging.mkdir(parents=True, exist_ok=True)
+    args = speculators_args(settings, plan, paths)
+    reset_if_changed(paths, args, settings["training"]["epochs"])
+    drop_unfinished_epoch(paths.checkpoints)
+    run_trainer(command, paths.metrics)
+    publish(settings, plan, paths)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--settings", required=True,
+                        help="JSON: target, layers, device, gpu_slot, server, training, evaluation")
+    parser.add_argument("--dataset", required=True, type=Path, help="prepared dataset directory")
+    parser.add_argument("--hidden-states", required=True, type=Path,
+                        help="directory of hs_<row>.safetensors")
+    parser.add_argument("--staging", required=True, type=Path, help="checkpoints and partial work")
+    parser.add_argument("--output", required=True, type=Path, help="drafter directory to publish")
+    parser.add_argument("--spec-config", required=True, type=Path,
+                        help="file for vLLM's --speculative-config JSON")
+    parser.add_argument("--granted-gpus", type=int, default=None)
+    args = parser.parse_args(argv)
+    # A SIGTERM (Snakemake, SLURM) unwinds through run_trainer's finally, which stops the trainer.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    paths = TrainPaths(args.dataset, args.hidden_states, args.staging, args.output,
+                       args.spec_config)
+    run(json.loads(args.settings), paths, args.granted_gpus)
+
+
+if __name__ == "__main__":
+    from draftsmith.cli import run_main
+
+    run_main(main)
