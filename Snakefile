@@ -28,6 +28,13 @@ include: "workflow/rules/dataset.smk"
 include: "workflow/rules/extract.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/plan.smk"
+include: "workflow/rules/report.smk"
+
+
+# Seconds of checks before any server starts or weights load (not on dry runs).
+onstart:
+    run_preflight()
 
 
 rule all:

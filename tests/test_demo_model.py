@@ -207,4 +207,4 @@ def test_cli_defaults_to_build():
     args = dm.parse_args(["--output", "x", "--seed", "2"])
     assert args.command == "build" and args.train_seconds == 60 and args.seed == 2
     args = dm.parse_args(["questions", "--output", "q.jsonl"])
-    assert args.command == "questions" and args.count == 320
+    assert args.command == "questions" and args.count == 1200

@@ -9,7 +9,7 @@ Hugging Face model directory that vLLM's CPU build serves. The assistant turn is
 production reasoning models.
 
     python -m draftsmith.demo_model --output results/demo_model --train-seconds 60 --seed 0
-    python -m draftsmith.demo_model questions --output config/demo_questions.jsonl --count 320
+    python -m draftsmith.demo_model questions --output config/demo_questions.jsonl --count 1200
 """
 
 from __future__ import annotations
@@ -370,14 +370,20 @@ def publish(staging: Path, output: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def question_rows(count: int = 320, *, seed: int = 0, duplicates: int = 8) -> list[dict]:
+def question_rows(count: int = 1200, *, seed: int = 0, duplicates: int = 8) -> list[dict]:
     """`count` distinct questions in the three input shapes the questions stage accepts,
     plus `duplicates` exact copies of earlier rows (the stage must drop them)."""
     rng = random.Random(f"questions-{seed}")  # separate stream from the training data
     seen: set[str] = set()
     rows: list[dict] = []
+    attempts = 0
     while len(rows) < count:
-        example = make_example(rng, TASKS[len(rows) % len(TASKS)])
+        attempts += 1
+        if attempts > 100 * count:
+            raise ValueError(f"the synthetic language has fewer than {count} distinct questions")
+        # Round-robin over tasks while they have fresh questions; small ones (spell) run out.
+        task = TASKS[len(rows) % len(TASKS)] if attempts < 4 * count else None
+        example = make_example(rng, task)
         if example.question in seen:
             continue
         seen.add(example.question)
@@ -398,7 +404,7 @@ def question_rows(count: int = 320, *, seed: int = 0, duplicates: int = 8) -> li
     return rows
 
 
-def write_questions(path: Path, *, count: int = 320, seed: int = 0, duplicates: int = 8) -> int:
+def write_questions(path: Path, *, count: int = 1200, seed: int = 0, duplicates: int = 8) -> int:
     """Write the question JSONL atomically; returns the number of lines."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -430,7 +436,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                        help="greedy checks per task after training (0 skips)")
     questions = commands.add_parser("questions", help="write the demo question JSONL")
     questions.add_argument("--output", type=Path, required=True)
-    questions.add_argument("--count", type=int, default=320, help="distinct questions")
+    questions.add_argument("--count", type=int, default=1200, help="distinct questions")
     questions.add_argument("--duplicates", type=int, default=8, help="exact duplicate rows")
     questions.add_argument("--seed", type=int, default=0)
     # `build` is the default so the workflow's call needs no subcommand.

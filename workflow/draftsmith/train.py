@@ -20,6 +20,7 @@ JSON for vLLM's ``--speculative-config``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -215,10 +216,22 @@ def without_epochs(args: list[str]) -> list[str]:
     return args[:index] + args[index + 2 :]
 
 
+def inputs_fingerprint(paths: TrainPaths) -> str:
+    """Identity of the training data: names, sizes and mtimes of the dataset files and of
+    the hidden-state files the view links to. Regenerated inputs must not resume old
+    checkpoints; an unchanged rerun after a crash must."""
+    digest = hashlib.sha256()
+    files = sorted(paths.dataset.iterdir()) + sorted(paths.hidden_states.iterdir())
+    for path in files:
+        stat = path.stat()  # follows the view's links to the shard files
+        digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
 def reset_if_changed(paths: TrainPaths, args: list[str], epochs: int) -> None:
-    """Drop checkpoints trained with other arguments or past the requested epochs;
-    more epochs than before continue them."""
-    recorded = without_epochs(args)
+    """Drop checkpoints trained with other arguments or data, or past the requested
+    epochs; more epochs than before continue them."""
+    recorded = [*without_epochs(args), "--inputs", inputs_fingerprint(paths)]
     changed = paths.args_record.is_file() and json.loads(paths.args_record.read_text()) != recorded
     finished = epoch_dirs(paths.checkpoints)
     if changed or (finished and int(finished[-1].name) >= epochs):
@@ -339,12 +352,12 @@ def speculative_config(drafter: Path, num_speculative_tokens: int) -> dict:
             "num_speculative_tokens": num_speculative_tokens}  # fmt: skip
 
 
-def publish(settings: dict, plan: LayerPlan, paths: TrainPaths) -> None:
-    epoch_dir = chosen_epoch(paths.checkpoints)
+def publish(settings: dict, plan: LayerPlan, paths: TrainPaths, epoch_dir: Path) -> None:
     partial = paths.staging / "drafter.partial"
     shutil.rmtree(partial, ignore_errors=True)
     stage_drafter(epoch_dir, plan, partial)
-    metrics = {"published_epoch": int(epoch_dir.name), "epochs": epoch_metrics(paths.metrics)}
+    published = int(epoch_dir.name) if epoch_dir.name.isdigit() else None  # None: untrained
+    metrics = {"published_epoch": published, "epochs": epoch_metrics(paths.metrics)}
     atomic_write_text(partial / "training_metrics.json", json.dumps(metrics, indent=2) + "\n")
     publish_directory(partial, paths.output)
     spec = speculative_config(paths.output, settings["evaluation"]["num_speculative_tokens"])
@@ -352,16 +365,23 @@ def publish(settings: dict, plan: LayerPlan, paths: TrainPaths) -> None:
     log(f"published epoch {epoch_dir.name} to {paths.output}; vLLM config in {paths.spec_config}")
 
 
-def run(settings: dict, paths: TrainPaths, granted: int | None = None) -> None:
+def run(settings: dict, paths: TrainPaths, granted: int | None = None, untrained: bool = False) -> None:
     processes = training_processes(settings, granted)
     plan = preflight(settings, paths)
     command = train_command(settings, plan, paths, processes)
     paths.staging.mkdir(parents=True, exist_ok=True)
+    if untrained:
+        # speculators' dry run: the same drafter, initialized and saved, never trained. The
+        # evaluation serves it as the baseline that training must clearly beat.
+        shutil.rmtree(paths.checkpoints, ignore_errors=True)
+        run_trainer([*command, "--dry-run"], paths.metrics)
+        publish(settings, plan, paths, paths.checkpoints)
+        return
     args = speculators_args(settings, plan, paths)
     reset_if_changed(paths, args, settings["training"]["epochs"])
     drop_unfinished_epoch(paths.checkpoints)
     run_trainer(command, paths.metrics)
-    publish(settings, plan, paths)
+    publish(settings, plan, paths, chosen_epoch(paths.checkpoints))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -376,12 +396,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--spec-config", required=True, type=Path,
                         help="file for vLLM's --speculative-config JSON")
     parser.add_argument("--granted-gpus", type=int, default=None)
+    parser.add_argument("--untrained", action="store_true",
+                        help="publish the initialized, untrained drafter (an evaluation baseline)")
     args = parser.parse_args(argv)
     # A SIGTERM (Snakemake, SLURM) unwinds through run_trainer's finally, which stops the trainer.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     paths = TrainPaths(args.dataset, args.hidden_states, args.staging, args.output,
                        args.spec_config)
-    run(json.loads(args.settings), paths, args.granted_gpus)
+    run(json.loads(args.settings), paths, args.granted_gpus, args.untrained)
 
 
 if __name__ == "__main__":

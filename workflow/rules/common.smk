@@ -1,6 +1,7 @@
 # Paths, settings and input functions shared by the rule files.
 import json
 import os
+import shlex
 import sys
 from importlib import metadata
 
@@ -59,5 +60,37 @@ def extraction_shards():
     return expand(f"{RESULTS}/hidden_states/shard_{{shard}}", shard=EXTRACTION_SHARDS)
 
 
+def untrained_baseline_input():
+    if config["evaluation"]["compare_untrained"]:
+        return [f"{RESULTS}/untrained_drafter_speculative_config.json"]
+    return []
+
+
 def final_outputs():
-    return [f"{RESULTS}/eval/acceptance.json"]
+    return [
+        f"{RESULTS}/eval/acceptance.json",
+        f"{RESULTS}/plan.json",
+        f"{RESULTS}/report/completion_lengths.png",
+        f"{RESULTS}/report/training_curves.png",
+        f"{RESULTS}/report/run_metadata.txt",
+    ]
+
+
+def run_preflight():
+    """Stop the run before any job if the environment or config cannot work."""
+    import subprocess
+
+    command = ["python", "-m", "draftsmith.preflight", "--settings", settings(*config)]
+    command += ["--results", RESULTS, "--output", f"{LOGS}/preflight.json"]
+    if config["target"]["build_demo"] and not os.path.exists(config["target"]["model"]):
+        command.append(
+            "--skip-target"
+        )  # a rule builds it; its checks run in the rule's jobs
+    if not workflow.local_exec:
+        command.append(
+            "--skip-gpus"
+        )  # GPUs live on the compute nodes; each job checks its own
+    if subprocess.run(command).returncode != 0:
+        raise WorkflowError(
+            "preflight failed (problems listed above); nothing was started"
+        )

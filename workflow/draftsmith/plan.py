@@ -1,0 +1,198 @@
+"""The cost plan: what a run will ask of the GPUs and the disk, before it spends anything.
+
+Needs only the target's ``config.json`` (no weights, no GPU). Token counts are
+measured where generation already ran and bounded from the config where it did
+not (every answer at ``max_tokens``, every row at most ``dataset.seq_length``), so
+the hidden-state bytes are an upper bound until the completions exist:
+
+    hidden-state bytes = tokens x stored layers x hidden size x 2 (bf16)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+from draftsmith.atomic import atomic_write_text
+from draftsmith.errors import DraftsmithError
+from draftsmith.progress import log
+
+BYTES_PER_VALUE = 2  # bf16, as vLLM writes the hidden states
+# Until the questions stage has run, prompts are assumed this long (chat template included).
+ASSUMED_PROMPT_TOKENS = 256
+
+
+class PlanError(DraftsmithError):
+    pass
+
+
+def existing_parent(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def read_target_config(model: str) -> dict:
+    """The target's config.json (the text config of a multimodal model), or what to fix."""
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        raise PlanError(
+            f"target config {path} not found; set target.model to the model directory "
+            "(for planning, a directory holding just its config.json is enough)"
+        )
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise PlanError(f"target config {path} is unreadable ({error}); fix or re-download it") from error
+    config = config.get("text_config", config)
+    if "num_hidden_layers" not in config or "hidden_size" not in config:
+        raise PlanError(f"{path} has no num_hidden_layers/hidden_size; is target.model a language model?")
+    return config
+
+
+def _count_lines(path: Path) -> int:
+    with path.open("rb") as handle:
+        return sum(1 for line in handle if line.strip())
+
+
+def _question_counts(settings: dict, results: Path) -> tuple[int, int, str]:
+    """(train questions, held-out questions, where the numbers come from)."""
+    summary = results / "questions" / "summary.json"
+    if summary.exists():
+        data = json.loads(summary.read_text())
+        return data["train"], data["heldout"], "questions stage"
+    section = settings["questions"]
+    total = section["limit"]
+    source = Path(section["source"])
+    if source.suffix == ".jsonl" and source.is_file():
+        total = min(total or 10**18, _count_lines(source))
+    if total is None:
+        raise PlanError("questions.limit is unset and the source is not a local JSONL: set questions.limit to plan")
+    heldout = min(section["heldout"], total)
+    return total - heldout, heldout, "config (before dedup)"
+
+
+def _measured_tokens(results: Path) -> tuple[int, int, int] | None:
+    """(answers, prompt tokens, completion tokens) from published completion shards."""
+    shards = sorted((results / "completions").glob("shard_*.jsonl"))
+    if not shards:
+        return None
+    answers = prompt = completion = 0
+    for shard in shards:
+        with shard.open(encoding="utf-8") as handle:
+            for line in handle:
+                record = json.loads(line)
+                answers += 1
+                prompt += record["prompt_tokens"]
+                completion += record["completion_tokens"]
+    return answers, prompt, completion
+
+
+def _done(results: Path, settings: dict) -> dict:
+    staging = results / ".staging"
+    staged_answers = sum(_count_lines(p) for p in staging.glob("completions/shard_*/records.jsonl"))
+    return {
+        "generation_shards_done": len(list((results / "completions").glob("shard_*.jsonl"))),
+        "answers_staged": staged_answers,
+        "extraction_shards_done": len([p for p in (results / "hidden_states").glob("shard_*") if p.is_dir()]),
+        "hidden_state_files_staged": len(list(staging.glob("hidden_states/shard_*/hs_*.safetensors"))),
+        "drafter_done": (results / "drafter").is_dir(),
+        "evaluation_done": (results / "eval" / "acceptance.json").is_file(),
+    }
+
+
+def plan_for(settings: dict, results: Path) -> dict:
+    target = read_target_config(settings["target"]["model"])
+    train, heldout, counted_from = _question_counts(settings, results)
+    measured = _measured_tokens(results)
+    seq_length = settings["dataset"]["seq_length"]
+    if measured and measured[0]:
+        answers, prompt_tokens, completion_tokens = measured
+        per_row = min(seq_length, (prompt_tokens + completion_tokens) / answers)
+        tokens_basis = "measured"
+    else:
+        prompt_tokens = train * ASSUMED_PROMPT_TOKENS
+        completion_tokens = train * settings["generation"]["max_tokens"]
+        per_row = min(seq_length, ASSUMED_PROMPT_TOKENS + settings["generation"]["max_tokens"])
+        tokens_basis = "upper bound"
+    training_tokens = int(per_row * train)
+    layers, hidden = len(settings["layers"]), target["hidden_size"]
+    hidden_bytes = training_tokens * layers * hidden * BYTES_PER_VALUE
+    done = _done(results, settings)
+    written_bytes = sum(p.stat().st_size for p in results.glob("hidden_states/shard_*/hs_*.safetensors"))
+    server = settings["server"]
+    external = bool(settings["generation"].get("endpoint"))
+    return {
+        "questions_train": train,
+        "questions_heldout": heldout,
+        "questions_counted_from": counted_from,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "training_tokens": training_tokens,
+        "tokens_basis": tokens_basis,
+        "stored_layers": layers,
+        "hidden_size": hidden,
+        "hidden_state_bytes": hidden_bytes,
+        "hidden_state_bytes_to_write": max(hidden_bytes - written_bytes, 0),
+        "free_disk_bytes": shutil.disk_usage(existing_parent(results)).free,
+        "model_loads": {
+            "generation": 0 if external else settings["questions"]["shards"],
+            "extraction": settings["extraction"]["shards"],
+            "evaluation": 2,
+        },
+        "gpu_slot": settings["gpu_slot"],
+        "gpus_per_server": server["tensor_parallel_size"] * server["data_parallel_size"],
+        "done": done,
+    }
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def format_plan(plan: dict) -> str:
+    done = plan["done"]
+    loads = plan["model_loads"]
+    rows = [
+        ("questions (train / held out)", f"{plan['questions_train']:,} / {plan['questions_heldout']:,} ({plan['questions_counted_from']})"),
+        ("prompt tokens", f"{plan['prompt_tokens']:,} ({plan['tokens_basis']})"),
+        ("completion tokens", f"{plan['completion_tokens']:,} ({plan['tokens_basis']})"),
+        ("training tokens (<= seq_length per row)", f"{plan['training_tokens']:,}"),
+        ("hidden states", f"{human_bytes(plan['hidden_state_bytes'])} = tokens x {plan['stored_layers']} layers x {plan['hidden_size']} x 2 B"),
+        ("  still to write / free disk", f"{human_bytes(plan['hidden_state_bytes_to_write'])} / {human_bytes(plan['free_disk_bytes'])}"),
+        ("model loads: generation / extraction / evaluation", f"{loads['generation']} / {loads['extraction']} / {loads['evaluation']}"),
+        ("GPU slot (GPUs per heavy job) / TP x DP", f"{plan['gpu_slot']} / {plan['gpus_per_server']}"),
+        ("done: generation shards / answers staged", f"{done['generation_shards_done']} / {done['answers_staged']:,}"),
+        ("done: extraction shards / files staged", f"{done['extraction_shards_done']} / {done['hidden_state_files_staged']:,}"),
+        ("done: drafter / evaluation", f"{'yes' if done['drafter_done'] else 'no'} / {'yes' if done['evaluation_done'] else 'no'}"),
+    ]  # fmt: skip
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--settings", required=True, help="JSON: the whole config")
+    parser.add_argument("--results", type=Path, default=Path("results"))
+    parser.add_argument("--output", type=Path, help="write the plan as JSON here")
+    args = parser.parse_args(argv)
+    plan = plan_for(json.loads(args.settings), args.results)
+    table = format_plan(plan)
+    print(table)
+    if args.output:
+        atomic_write_text(args.output, json.dumps(plan, indent=2) + "\n")
+        atomic_write_text(args.output.with_suffix(".txt"), table + "\n")
+    log("plan written" if args.output else "plan printed")
+
+
+if __name__ == "__main__":
+    from draftsmith.cli import run_main
+
+    run_main(main)

@@ -1,0 +1,245 @@
+"""Preflight: everything that can be checked in seconds, before any server starts.
+
+The hand-run attempt lost a 22-minute model load to each renamed parameter and
+missing import. This checks, by introspection of what is installed (not by
+version numbers), every class, function, CLI flag and server option the workflow
+relies on, then the target's config, the layers, TP against the attention heads,
+the GPUs, the disk the hidden states will need, writable outputs and a loopback
+port. Each problem is one line that says what to fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import socket
+import sys
+import typing
+from pathlib import Path
+
+from draftsmith.atomic import atomic_write_text
+from draftsmith.errors import DraftsmithError
+from draftsmith.layers import LayerConfigError, resolve_layers
+from draftsmith.plan import existing_parent, plan_for, read_target_config
+
+# (module, attribute): what draftsmith imports or loads from the two libraries.
+REQUIRED_NAMES = [
+    ("speculators.cli.regenerate_responses", "regenerate_conversation"),
+    ("speculators.data_generation.vllm_client", "with_retries"),
+    ("speculators.data_generation.vllm_client", "InvalidResponseError"),
+    ("speculators.data_generation.vllm_client", "generate_hidden_states_async"),
+    ("speculators.data_generation.vllm_client", "wait_for_lock_async"),
+    ("speculators.data_generation.offline", "check_hidden_states"),
+    ("speculators.train.config.resolution", "build_parser"),
+    ("vllm.entrypoints.openai.api_server", None),
+    ("vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector", "ExampleHiddenStatesConnector"),
+    ("vllm.engine.arg_utils", "EngineArgs"),
+    ("vllm.config.speculative", "SpeculativeMethod"),
+]
+# `speculators train` flags the training stage passes.
+TRAIN_FLAGS = [
+    "--verifier-name-or-path", "--target-layer-ids", "--token-freq-path", "--draft-vocab-size",
+    "--epochs", "--lr", "--total-seq-len", "--seed", "--save-path", "--data-path",
+    "--hidden-states-path", "--on-missing", "--num-workers", "--draft-attn-impl",
+    "--loss-implementation", "--num-layers",
+]  # fmt: skip
+# `speculators prepare-data` options the dataset stage passes (its typer parameters).
+PREPARE_DATA_PARAMETERS = [
+    "model", "data", "output", "seq_length", "minimum_valid_tokens", "skip_token_freq",
+    "token_freq_path", "overwrite", "trust_remote_code",
+]  # fmt: skip
+# vLLM server options (EngineArgs fields) the managed servers use.
+ENGINE_ARGS = [
+    "served_model_name", "max_model_len", "tensor_parallel_size", "data_parallel_size",
+    "trust_remote_code", "speculative_config", "kv_transfer_config",
+]  # fmt: skip
+SPECULATIVE_METHODS = ["extract_hidden_states", "eagle3"]
+
+
+class PreflightError(DraftsmithError):
+    pass
+
+
+def _load(module: str, attribute: str | None):
+    if attribute is None:  # a module we only run (the server): find it, do not import it
+        if importlib.util.find_spec(module) is None:
+            raise ImportError(f"no module {module}")
+        return None
+    return getattr(importlib.import_module(module), attribute)
+
+
+def check_required_names() -> list[str]:
+    problems = []
+    for module, attribute in REQUIRED_NAMES:
+        try:
+            _load(module, attribute)
+        except (ImportError, AttributeError) as error:
+            name = f"{module}.{attribute}" if attribute else module
+            package = module.split(".")[0]
+            problems.append(
+                f"{package} lacks {name} ({error.__class__.__name__}); install the pinned "
+                f"release: pip install -e '.[cpu]' (or '.[gpu]')"
+            )
+    return problems
+
+
+def _flags(parser: argparse.ArgumentParser) -> set[str]:
+    return {flag for action in parser._actions for flag in action.option_strings}
+
+
+def check_speculators_cli() -> list[str]:
+    problems = []
+    try:
+        available = _flags(_load("speculators.train.config.resolution", "build_parser")())
+        missing = [flag for flag in TRAIN_FLAGS if flag not in available]
+        if missing:
+            problems.append(f"`speculators train` has no {', '.join(missing)}; install the pinned speculators")
+        parameters = inspect.signature(_load("speculators.cli.prepare_data", "prepare_data")).parameters
+        missing = [name for name in PREPARE_DATA_PARAMETERS if name not in parameters]
+        if missing:
+            options = ", ".join("--" + name.replace("_", "-") for name in missing)
+            problems.append(f"`speculators prepare-data` has no {options}; install the pinned speculators")
+    except (ImportError, AttributeError) as error:
+        problems.append(f"speculators CLI cannot be inspected ({error}); install the pinned speculators")
+    return problems
+
+
+def check_vllm_options() -> list[str]:
+    problems = []
+    try:
+        fields = {field.name for field in dataclasses.fields(_load("vllm.engine.arg_utils", "EngineArgs"))}
+        missing = [name for name in ENGINE_ARGS if name not in fields]
+        if missing:
+            options = ", ".join("--" + name.replace("_", "-") for name in missing)
+            problems.append(f"the vLLM server has no {options}; install the pinned vLLM")
+        methods = set(_flatten_literal(_load("vllm.config.speculative", "SpeculativeMethod")))
+        missing = [method for method in SPECULATIVE_METHODS if method not in methods]
+        if missing:
+            problems.append(f"vLLM does not know speculative method(s) {', '.join(missing)}; install the pinned vLLM")
+    except (ImportError, AttributeError) as error:
+        problems.append(f"vLLM server options cannot be inspected ({error}); install the pinned vLLM")
+    return problems
+
+
+def _flatten_literal(annotation) -> list[str]:
+    values = []
+    for argument in typing.get_args(annotation):
+        values += _flatten_literal(argument) if typing.get_args(argument) else [argument]
+    return values
+
+
+def check_target(settings: dict) -> list[str]:
+    try:
+        target = read_target_config(settings["target"]["model"])
+    except DraftsmithError as error:
+        return [str(error)]
+    problems = []
+    try:
+        resolve_layers(settings["layers"], target["num_hidden_layers"])
+    except LayerConfigError as error:
+        problems.append(str(error))
+    tp = settings["server"]["tensor_parallel_size"]
+    heads = target.get("num_attention_heads")
+    if heads and heads % tp:
+        problems.append(
+            f"server.tensor_parallel_size {tp} does not divide the target's {heads} attention heads; "
+            f"use a divisor of {heads}"
+        )
+    vocab = target.get("vocab_size")
+    draft_vocab = settings["training"]["draft_vocab_size"]
+    if vocab and draft_vocab > vocab:
+        problems.append(
+            f"training.draft_vocab_size {draft_vocab} exceeds the target's vocabulary of {vocab}; "
+            f"set it to at most {vocab}"
+        )
+    seq_length, max_model_len = settings["dataset"]["seq_length"], settings["server"]["max_model_len"]
+    if max_model_len < seq_length + 1:
+        problems.append(
+            f"server.max_model_len {max_model_len} is below dataset.seq_length + 1 = {seq_length + 1}: "
+            "extraction prompts would be refused; raise server.max_model_len or lower dataset.seq_length"
+        )
+    return problems
+
+
+def check_gpus(settings: dict) -> list[str]:
+    if settings["device"] != "cuda":
+        return []
+    import torch
+
+    needed = settings["server"]["tensor_parallel_size"] * settings["server"]["data_parallel_size"]
+    visible = torch.cuda.device_count()
+    if visible < needed:
+        return [f"{visible} GPU(s) visible but TP x DP = {needed}; run on a host with {needed} GPUs or lower TP/DP"]
+    if settings["gpu_slot"] < needed:
+        return [f"gpu_slot {settings['gpu_slot']} is below TP x DP = {needed}; set gpu_slot: {needed}"]
+    return []
+
+
+def check_disk(settings: dict, results: Path) -> list[str]:
+    plan = plan_for(settings, results)
+    needed, free = plan["hidden_state_bytes_to_write"], plan["free_disk_bytes"]
+    if needed > free:
+        return [
+            f"the hidden states need {needed / 1e9:.1f} GB but {existing_parent(results)} has "
+            f"{free / 1e9:.1f} GB free; free space, move results/ to a bigger disk, or lower questions.limit"
+        ]
+    return []
+
+
+def check_writable(paths: list[Path]) -> list[str]:
+    problems = []
+    for path in paths:
+        parent = existing_parent(path)
+        if not os.access(parent, os.W_OK):
+            problems.append(f"cannot write to {parent} (needed for {path}); fix its permissions or run elsewhere")
+    return problems
+
+
+def check_loopback_port() -> list[str]:
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+    except OSError as error:
+        return [f"cannot bind a port on 127.0.0.1 ({error}); the managed vLLM servers need one"]
+    return []
+
+
+def run_checks(settings: dict, results: Path, *, target: bool = True, gpus: bool = True) -> list[str]:
+    problems = check_required_names() + check_speculators_cli() + check_vllm_options()
+    problems += check_writable([results, Path("logs")])
+    problems += check_loopback_port()
+    if gpus:
+        problems += check_gpus(settings)
+    if target:
+        target_problems = check_target(settings)
+        problems += target_problems or check_disk(settings, results)
+    return problems
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--settings", required=True, help="JSON: the whole config")
+    parser.add_argument("--results", type=Path, default=Path("results"))
+    parser.add_argument("--output", type=Path, required=True)
+    parser.add_argument("--skip-target", action="store_true", help="the target is not built yet")
+    parser.add_argument("--skip-gpus", action="store_true", help="GPUs are on other (compute) nodes")
+    args = parser.parse_args(argv)
+    settings = json.loads(args.settings)
+    problems = run_checks(settings, args.results, target=not args.skip_target, gpus=not args.skip_gpus)
+    for problem in problems:
+        print(f"preflight: {problem}", file=sys.stderr)
+    if problems:
+        raise PreflightError(f"{len(problems)} preflight problem(s), listed above; nothing was started")
+    atomic_write_text(args.output, json.dumps({"ok": True, "checked": len(REQUIRED_NAMES)}) + "\n")
+    print("preflight: all checks passed", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    from draftsmith.cli import run_main
+
+    run_main(main)
