@@ -42,8 +42,9 @@ def test_answers_keep_think_tags_and_mask_only_the_answer(demo_target, tmp_path)
     assert [r["id"] for r in records] == [q["id"] for q in questions]
     for record, question in zip(records, questions):
         ids, mask = record["input_ids"], record["loss_mask"]
-        prompt = tokenizer.apply_chat_template(question["messages"], add_generation_prompt=True, tokenize=True)
-        prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+        prompt = list(tokenizer.apply_chat_template(
+            question["messages"], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"])  # fmt: skip
         n_prompt = len(prompt)
         # The mask covers exactly the generated tokens, nothing of the prompt.
         assert ids[:n_prompt] == prompt

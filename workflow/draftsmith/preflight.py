@@ -18,6 +18,7 @@ import inspect
 import json
 import os
 import socket
+import tempfile
 import sys
 import typing
 from pathlib import Path
@@ -192,11 +193,19 @@ def check_disk(settings: dict, results: Path) -> list[str]:
 
 
 def check_writable(paths: list[Path]) -> list[str]:
+    """Create and remove a file where each output will go (os.access lies for root)."""
     problems = []
     for path in paths:
         parent = existing_parent(path)
-        if not os.access(parent, os.W_OK):
-            problems.append(f"cannot write to {parent} (needed for {path}); fix its permissions or run elsewhere")
+        try:
+            handle, probe = tempfile.mkstemp(prefix=".draftsmith-probe-", dir=parent)
+            os.close(handle)
+            os.unlink(probe)
+        except OSError as error:
+            problems.append(
+                f"cannot write to {parent} ({error.strerror}), needed for {path}; "
+                "fix its permissions or set results_dir to a writable place"
+            )
     return problems
 
 
@@ -211,7 +220,7 @@ def check_loopback_port() -> list[str]:
 
 def run_checks(settings: dict, results: Path, *, target: bool = True, gpus: bool = True) -> list[str]:
     problems = check_required_names() + check_speculators_cli() + check_vllm_options()
-    problems += check_writable([results, Path("logs")])
+    problems += check_writable([results])
     problems += check_loopback_port()
     if gpus:
         problems += check_gpus(settings)

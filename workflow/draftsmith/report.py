@@ -56,8 +56,9 @@ def plot_training_curves(metrics_file: Path, output: Path) -> None:
             loss_axis.plot(x, losses, style, label=split)
         positions = sorted({k for e in epochs for k in e[split] if k.startswith("full_acc_")})
         for key in positions:
-            acc_axis.plot(x, [e[split].get(key) for e in epochs], style,
-                          label=f"{split} position {int(key.rsplit('_', 1)[1]) + 1}")  # fmt: skip
+            position = int(key.rsplit("_", 1)[1])
+            acc_axis.plot(x, [e[split].get(key) for e in epochs], style, color=f"C{position}",
+                          label=f"{split} position {position + 1}")  # fmt: skip
     loss_axis.set(xlabel="epoch", ylabel="loss", title="drafter loss")
     acc_axis.set(xlabel="epoch", ylabel="accuracy", ylim=(0, 1), title="draft token accuracy")
     loss_axis.legend()

@@ -10,9 +10,9 @@ from importlib import metadata
 os.environ["PATH"] = os.pathsep.join(
     [os.path.dirname(sys.executable), os.environ["PATH"]]
 )
-RESULTS = "results"
+RESULTS = config["results_dir"]
 STAGING = f"{RESULTS}/.staging"  # partial work lives here, outside declared outputs
-LOGS = "logs"
+LOGS = f"{RESULTS}/logs"
 # For `--sdm conda`; relative to the rule files.
 CONDA_ENV = f"../../envs/{'cpu' if config['device'] == 'cpu' else 'gpu'}.yaml"
 
@@ -81,7 +81,7 @@ def run_preflight():
     import subprocess
 
     command = ["python", "-m", "draftsmith.preflight", "--settings", settings(*config)]
-    command += ["--results", RESULTS, "--output", f"{LOGS}/preflight.json"]
+    command += ["--results", RESULTS, "--output", f"{STAGING}/preflight.json"]
     if config["target"]["build_demo"] and not os.path.exists(config["target"]["model"]):
         command.append(
             "--skip-target"

@@ -1,0 +1,127 @@
+"""Preflight: a broken install or config fails in seconds, naming what is missing."""
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from snakemake.utils import validate
+
+from draftsmith import preflight
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def demo_settings(model: Path) -> dict:
+    config = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    validate(config, str(ROOT / "workflow/schemas/config.schema.yaml"))
+    config["target"]["model"] = str(model)
+    return config
+
+
+@pytest.fixture
+def target(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    config = {"num_hidden_layers": 6, "hidden_size": 128, "num_attention_heads": 2, "vocab_size": 226}
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+def test_a_working_install_and_config_pass(target, tmp_path):
+    assert preflight.run_checks(demo_settings(target), tmp_path / "results") == []
+
+
+def test_missing_speculators_function_is_named(monkeypatch, target, tmp_path):
+    import speculators.data_generation.vllm_client as client
+
+    monkeypatch.delattr(client, "generate_hidden_states_async")
+    problems = preflight.run_checks(demo_settings(target), tmp_path / "results")
+    assert problems == [
+        "speculators lacks speculators.data_generation.vllm_client.generate_hidden_states_async "
+        "(AttributeError); install the pinned release: pip install -e '.[cpu]' (or '.[gpu]')"
+    ]
+
+
+def test_missing_vllm_connector_class_is_named(monkeypatch, target, tmp_path):
+    from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as module
+
+    monkeypatch.delattr(module, "ExampleHiddenStatesConnector")
+    problems = preflight.run_checks(demo_settings(target), tmp_path / "results")
+    assert len(problems) == 1 and "ExampleHiddenStatesConnector" in problems[0]
+
+
+def test_renamed_train_flag_is_named(monkeypatch, target, tmp_path):
+    from speculators.train.config import resolution
+
+    real = resolution.build_parser
+
+    def without_flag():
+        parser = real()
+        kept = [a for a in parser._actions if "--total-seq-len" not in a.option_strings]
+        renamed = argparse.ArgumentParser()
+        for action in kept:
+            if action.option_strings and action.option_strings != ["-h", "--help"]:
+                renamed.add_argument(*action.option_strings, dest=action.dest, help=action.help)
+        return renamed
+
+    monkeypatch.setattr(resolution, "build_parser", without_flag)
+    problems = preflight.check_speculators_cli()
+    assert problems == ["`speculators train` has no --total-seq-len; install the pinned speculators"]
+
+
+def test_missing_server_option_is_named(monkeypatch):
+    from vllm.engine import arg_utils
+
+    fields = [f for f in dataclasses.fields(arg_utils.EngineArgs) if f.name != "kv_transfer_config"]
+    monkeypatch.setattr(preflight.dataclasses, "fields", lambda cls: fields)
+    assert preflight.check_vllm_options() == [
+        "the vLLM server has no --kv-transfer-config; install the pinned vLLM"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda c: c.update(layers=[1, 2, 9]), "layer 9 does not exist: the target has 6 decoder layers"),
+        (lambda c: c.update(layers=[1, 2, 4]), "must be the final decoder layer 5"),
+        (lambda c: c["server"].update(tensor_parallel_size=4), "tensor_parallel_size 4 does not divide the target's 2 attention heads"),
+        (lambda c: c["training"].update(draft_vocab_size=5000), "draft_vocab_size 5000 exceeds the target's vocabulary of 226"),
+        (lambda c: c["dataset"].update(seq_length=600), "max_model_len 512 is below dataset.seq_length + 1 = 601"),
+        (lambda c: c["target"].update(model="/nonexistent/model"), "target config /nonexistent/model/config.json not found"),
+    ],
+)
+def test_config_problems_are_one_clear_line(change, message, target, tmp_path):
+    settings = demo_settings(target)
+    change(settings)
+    problems = preflight.run_checks(settings, tmp_path / "results")
+    assert len(problems) == 1 and message in problems[0], problems
+
+
+def test_unwritable_results_directory_is_named(target):
+    # /proc refuses new files even to root, where a chmod would not.
+    problems = preflight.run_checks(demo_settings(target), Path("/proc/draftsmith-results"))
+    assert any(p.startswith("cannot write to /proc (") and "set results_dir" in p for p in problems), problems
+
+
+def test_broken_environment_fails_the_cli_in_under_ten_seconds(target, tmp_path):
+    """A real process with a speculators that lacks a function: exit 2, the name, < 10 s."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(
+        "import speculators.data_generation.offline as m\ndel m.check_hidden_states\n"
+    )
+    command = [sys.executable, "-m", "draftsmith.preflight", "--settings", json.dumps(demo_settings(target)),
+               "--results", str(tmp_path / "results"), "--output", str(tmp_path / "ok.json")]  # fmt: skip
+    started = time.monotonic()
+    run = subprocess.run(command, capture_output=True, text=True, env={**preflight.os.environ, "PYTHONPATH": str(shim)})
+    elapsed = time.monotonic() - started
+    assert run.returncode == 2
+    assert "check_hidden_states" in run.stderr and "nothing was started" in run.stderr
+    assert not (tmp_path / "ok.json").exists()
+    assert elapsed < 10, f"preflight took {elapsed:.1f}s"

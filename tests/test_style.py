@@ -1,0 +1,20 @@
+"""The workflow stays lint-clean and snakefmt-formatted (enforced in CI through the suite)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RULE_FILES = ["Snakefile", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "workflow/rules").glob("*.smk"))]
+
+
+def test_snakemake_lint_reports_nothing():
+    run = subprocess.run([sys.executable, "-m", "snakemake", "--lint"], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "Lints for" not in run.stdout + run.stderr
+
+
+def test_rule_files_are_snakefmt_formatted():
+    snakefmt = Path(sys.executable).with_name("snakefmt")
+    run = subprocess.run([str(snakefmt), "--check", *RULE_FILES], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
