@@ -44,6 +44,7 @@ from draftsmith.progress import Progress, log
 from draftsmith.server import Endpoint, ServerSpec, managed_server
 from draftsmith.shard_gate import BadSample, check_sample, check_shard, sample_path
 from draftsmith.slot import check_gpu_slot
+from draftsmith.staging import open_staging
 
 SHOW_FIRST = 5
 MANIFEST_NAME = "manifest.json"
@@ -380,7 +381,9 @@ def run(
     check_settings(settings, rows)
     log(f"shard {shard}/{num_shards}: rows {rows.rows.start}..{rows.rows.stop - 1}, "
         f"vLLM layer ids {plan.vllm_ids}, hidden {shape.hidden_size}, {shape.dtype}")  # fmt: skip
-    staging.mkdir(parents=True, exist_ok=True)
+    # The gate checks tokens and shapes, not which layers a file holds: other layers (or
+    # another model) must not reuse staged files.
+    open_staging(staging, {"model": settings["target"]["model"], "vllm_layer_ids": plan.vllm_ids})
     _recover_interrupted_publish(publishing_dir(output), staging)
     storage = staging / VLLM_STORAGE_DIR
     shutil.rmtree(storage, ignore_errors=True)  # leftovers of a killed server

@@ -80,6 +80,9 @@ def run_preflight():
     """Stop the run before any job if the environment or config cannot work."""
     import subprocess
 
+    if set(workflow.dag_settings.targets) == {"plan"}:
+        return  # planning runs where nothing heavy will: no GPUs, no disk needed
+
     command = ["python", "-m", "draftsmith.preflight", "--settings", settings(*config)]
     command += ["--results", RESULTS, "--output", f"{STAGING}/preflight.json"]
     if config["target"]["build_demo"] and not os.path.exists(config["target"]["model"]):

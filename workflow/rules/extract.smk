@@ -32,6 +32,7 @@ rule training_view:
         directory(f"{RESULTS}/hidden_states/all"),
     log:
         f"{LOGS}/training_view.log",
+    localrule: True
     conda:
         CONDA_ENV
     shell:

@@ -9,6 +9,7 @@ rule questions:
         summary=f"{RESULTS}/questions/summary.json",
     log:
         f"{LOGS}/questions.log",
+    localrule: True
     conda:
         CONDA_ENV
     params:

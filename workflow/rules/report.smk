@@ -10,6 +10,7 @@ rule completion_lengths:
         ),
     log:
         f"{LOGS}/report/completion_lengths.log",
+    localrule: True
     conda:
         CONDA_ENV
     shell:
@@ -27,6 +28,7 @@ rule training_curves:
         ),
     log:
         f"{LOGS}/report/training_curves.log",
+    localrule: True
     conda:
         CONDA_ENV
     shell:
@@ -43,6 +45,7 @@ rule run_metadata:
         ),
     log:
         f"{LOGS}/report/run_metadata.log",
+    localrule: True
     conda:
         CONDA_ENV
     params:

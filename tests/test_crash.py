@@ -1,0 +1,100 @@
+"""Kill the whole workflow (SIGKILL to Snakemake's process group) during generation,
+extraction and training; rerun with the documented commands after each kill. The rerun
+completes, asks only for what was missing, and leaves no server or trainer behind."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.e2e
+RUN = [sys.executable, "-m", "snakemake", "--cores", "all", "--resources", "gpu=8"]
+
+
+def heavy_processes() -> list[str]:
+    listing = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in listing if "vllm.entrypoints" in line or "speculators_cpu train" in line]
+
+
+def count(pattern: str, workdir: Path) -> int:
+    return len(list(workdir.glob(pattern)))
+
+
+def records(workdir: Path) -> int:
+    return sum(len(p.read_text().splitlines()) for p in workdir.glob("results/.staging/completions/*/records.jsonl"))
+
+
+def run_until(workdir: Path, condition, timeout: float = 900) -> None:
+    """Start the workflow and SIGKILL its whole process group once `condition()` holds."""
+    process = subprocess.Popen(RUN, cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, "the workflow ended before the kill point"
+        assert time.monotonic() < deadline, "kill point not reached"
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    time.sleep(3)  # servers and trainers die with their parents (PR_SET_PDEATHSIG)
+    assert heavy_processes() == []
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("crash")
+    for name in ("Snakefile", "workflow", "config", "profiles", "envs"):
+        source = ROOT / name
+        (shutil.copytree if source.is_dir() else shutil.copy2)(source, workdir / name)
+    config = yaml.safe_load((workdir / "config/config.yaml").read_text())
+    # Small and quick: the test is about resuming, not about the drafter's quality.
+    config["questions"].update(limit=400, heldout=20)
+    config["training"]["epochs"] = 6
+    config["evaluation"]["compare_untrained"] = False
+    config["target"]["demo_train_steps"] = 150
+    (workdir / "config/config.yaml").write_text(yaml.safe_dump(config))
+    return workdir
+
+
+def rerun_after_kill(workdir: Path) -> None:
+    subprocess.run([sys.executable, "-m", "snakemake", "--unlock"], cwd=workdir, check=True, capture_output=True)
+
+
+def test_kill_anywhere_then_rerun_completes_without_redoing_work(workdir):
+    run_until(workdir, lambda: records(workdir) >= 60)  # during generation
+    answered_before = records(workdir)
+    rerun_after_kill(workdir)
+
+    run_until(workdir, lambda: count("results/.staging/hidden_states/*/hs_*.safetensors", workdir) >= 150)
+    rerun_after_kill(workdir)
+    summaries = [json.loads(p.read_text()) for p in workdir.glob("results/.staging/completions/*/summary.json")]
+    assert sum(s["asked_this_run"] for s in summaries) <= sum(s["questions"] for s in summaries) - answered_before
+
+    run_until(workdir, lambda: count("results/.staging/train/checkpoints/[0-9]*/training_state.json", workdir) >= 2)
+    rerun_after_kill(workdir)
+    epochs_before = count("results/.staging/train/checkpoints/[0-9]*", workdir)
+
+    final = subprocess.run(RUN, cwd=workdir, capture_output=True, text=True, timeout=1800)
+    assert final.returncode == 0, final.stderr[-4000:]
+    assert heavy_processes() == []
+
+    # Same sample ids as the questions stage planned: none lost, none twice.
+    planned = sorted(
+        json.loads(line)["id"] for p in workdir.glob("results/questions/shard_*.jsonl") for line in p.read_text().splitlines()
+    )
+    answered = [json.loads(line)["id"] for p in workdir.glob("results/completions/shard_*.jsonl") for line in p.read_text().splitlines()]
+    assert sorted(answered) == planned
+    row_ids = json.loads((workdir / "results/dataset/row_ids.json").read_text())
+    assert sorted(row_ids) == planned
+    assert count("results/hidden_states/all/hs_*.safetensors", workdir) == len(row_ids)
+    # Training resumed from its checkpoints instead of starting over.
+    train_log = (workdir / "results/logs/train.log").read_text()
+    assert epochs_before >= 2 and "Resuming training on epoch" in train_log
+    assert json.loads((workdir / "results/eval/acceptance.json").read_text())["acceptance_length"] > 1.0

@@ -1,0 +1,192 @@
+"""The demo DAG through Snakemake's SLURM executor plugin, on a real SLURM cluster (slow).
+
+Needs sbatch on PATH, a controller that answers (`sudo tests/slurm/setup_cluster.sh` starts
+two nodes on this host) and the plugin (`pip install -e '.[slurm]'`); skipped otherwise.
+One run of the shipped demo config with profiles/slurm-cpu on a copy of the workflow
+(2 generation and 2 extraction shards), then: every heavy job, each shard included, was its
+own SLURM job and SLURM recorded it as completed, the cheap rules stayed on the submit host,
+the question ids are those of a local run of the questions stage, the drafter reaches the
+demo's acceptance goal, and a rerun has nothing to do.
+"""
+
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+PROFILE = ["--workflow-profile", "slurm-cpu"]
+SHARDED = {"generate": 2, "extract": 2}  # the demo config's shard counts
+ONE_JOB = {"demo_model", "dataset", "train", "untrained_drafter", "evaluate"}
+LOCAL = {"questions", "training_view", "plan_snapshot", "completion_lengths", "training_curves", "run_metadata"}
+SUBMITTED = re.compile(r"Job \d+ has been submitted with SLURM jobid (\d+) \(log: (\S+)\)")
+
+
+def _unavailable() -> str | None:
+    """Why this machine cannot run the test, or None."""
+    if shutil.which("sbatch") is None:
+        return "no SLURM here (sbatch not on PATH); start one with: sudo tests/slurm/setup_cluster.sh"
+    if importlib.util.find_spec("snakemake_executor_plugin_slurm") is None:
+        return "the SLURM executor plugin is not installed: pip install -e '.[slurm]'"
+    try:
+        nodes = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%t"], capture_output=True,
+                               text=True, timeout=20)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return "sinfo timed out: the SLURM controller does not answer"
+    usable = [s for s in nodes.stdout.split() if s.rstrip("*") in {"idle", "mix", "alloc"}]
+    if nodes.returncode != 0 or not usable:
+        return f"no usable SLURM node (sinfo: {(nodes.stdout + nodes.stderr).strip()!r}); run tests/slurm/setup_cluster.sh"
+    return None
+
+
+UNAVAILABLE = _unavailable()
+pytestmark = [pytest.mark.slurm, pytest.mark.e2e, pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))]
+
+
+def snakemake(workdir: Path, *args: str, timeout: int = 3600) -> subprocess.CompletedProcess:
+    return subprocess.run([*SNAKEMAKE, *args], cwd=workdir, capture_output=True, text=True, timeout=timeout)
+
+
+def copy_workflow(workdir: Path) -> Path:
+    # envs/ too: Snakemake records a rule's conda file in the job metadata on a cluster.
+    for name in ("Snakefile", "workflow", "config", "profiles", "envs"):
+        source = ROOT / name
+        copy = shutil.copytree if source.is_dir() else shutil.copy2
+        copy(source, workdir / name)
+    return workdir
+
+
+def slurm_config() -> dict[str, str]:
+    text = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True).stdout
+    return dict(re.findall(r"^(\w+)\s*=\s*(.*?)\s*$", text, re.MULTILINE))
+
+
+def slurm_records(job_ids: list[str]) -> dict[str, dict[str, str]]:
+    """Job id -> {JobState, NodeList, ...} from SLURM's own record of finished jobs."""
+    config = slurm_config()
+    if config.get("JobCompType") == "jobcomp/filetxt":  # the test cluster: no accounting database
+        records = {}
+        for line in Path(config["JobCompLoc"]).read_text().splitlines():
+            fields = dict(re.findall(r"(\w+)=(\S*)", line))
+            if fields.get("JobId") in job_ids:
+                records[fields["JobId"]] = fields
+        return records
+    if config.get("AccountingStorageType", "").endswith("slurmdbd"):
+        out = subprocess.run(["sacct", "-X", "-P", "--noheader", "-j", ",".join(job_ids),
+                              "--format=JobID,State,NodeList,Start,End"],
+                             capture_output=True, text=True).stdout  # fmt: skip
+        rows = (line.split("|") for line in out.splitlines() if line)
+        return {r[0]: {"JobState": r[1], "NodeList": r[2], "StartTime": r[3], "EndTime": r[4]} for r in rows}
+    out = subprocess.run(["squeue", "--states=all", "--noheader", "--jobs", ",".join(job_ids),
+                          "--format=%i|%T|%N|%S|%e"], capture_output=True, text=True).stdout  # fmt: skip
+    rows = (line.split("|") for line in out.splitlines() if line)
+    return {r[0]: {"JobState": r[1], "NodeList": r[2], "StartTime": r[3], "EndTime": r[4]} for r in rows}
+
+
+@pytest.fixture(scope="module")
+def slurm_run(tmp_path_factory):
+    """The demo on SLURM. The workdir lives under the pytest temp dir: on one host that is
+    the shared filesystem; on a real cluster point --basetemp at a shared directory."""
+    workdir = copy_workflow(tmp_path_factory.mktemp("slurm_demo"))
+    started = time.monotonic()
+    run = snakemake(workdir, *PROFILE)
+    elapsed = time.monotonic() - started
+    log = run.stdout + run.stderr
+    (workdir / "snakemake_slurm.log").write_text(log)
+    assert run.returncode == 0, log[-6000:]
+    print(f"\nSLURM demo run: {elapsed:.0f} s in {workdir}")
+    return workdir, log
+
+
+@pytest.fixture(scope="module")
+def submitted(slurm_run) -> dict[str, list[tuple[str, str]]]:
+    """Rule -> [(wildcards, SLURM job id)] from the plugin's submission lines."""
+    workdir, log = slurm_run
+    jobs: dict[str, list[tuple[str, str]]] = {}
+    for job_id, logfile in SUBMITTED.findall(log):
+        parts = Path(logfile).relative_to(workdir / ".snakemake/slurm_logs").parts
+        rule, wildcards = parts[0].removeprefix("rule_"), "/".join(parts[1:-1])
+        jobs.setdefault(rule, []).append((wildcards, job_id))
+        assert (workdir / ".snakemake/slurm_logs" / Path(*parts)).is_file()  # the plugin's log
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def local_questions(tmp_path_factory) -> Path:
+    """The questions stage of the same config, run locally (ids are deterministic)."""
+    workdir = copy_workflow(tmp_path_factory.mktemp("local_questions"))
+    run = snakemake(workdir, "results/questions/summary.json", "--cores", "1", timeout=600)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    return workdir / "results/questions"
+
+
+def ids(path: Path) -> list[str]:
+    return [json.loads(line)["id"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_every_heavy_job_and_every_shard_was_its_own_slurm_job(submitted):
+    table = "\n".join(f"  {rule:<18} {w or '-':<10} {job}" for rule, jobs in sorted(submitted.items())
+                      for w, job in jobs)  # fmt: skip
+    print(f"\nSLURM jobs (rule, wildcards, job id):\n{table}")
+    for rule, shards in SHARDED.items():
+        assert sorted(w for w, _ in submitted.get(rule, [])) == [f"shard_{i}" for i in range(shards)], rule
+    for rule in ONE_JOB:
+        assert len(submitted.get(rule, [])) == 1, rule
+    job_ids = [job for jobs in submitted.values() for _, job in jobs]
+    assert len(job_ids) == len(set(job_ids)) == sum(SHARDED.values()) + len(ONE_JOB)
+    assert not LOCAL & submitted.keys(), "cheap rules must run on the submit host (localrule: True)"
+
+
+def test_slurm_recorded_every_shard_job_as_completed(submitted):
+    shard_jobs = {job: f"{rule} {w}" for rule in SHARDED for w, job in submitted[rule]}
+    records = slurm_records(list(shard_jobs))
+    print("\nSLURM's record of the shard jobs:")
+    for job, name in shard_jobs.items():
+        record = records.get(job, {})
+        print(f"  {job:>6} {name:<16} {record.get('JobState')} on {record.get('NodeList')} "
+              f"{record.get('StartTime')} -> {record.get('EndTime')}")  # fmt: skip
+    assert {job: records.get(job, {}).get("JobState") for job in shard_jobs} == dict.fromkeys(shard_jobs, "COMPLETED")
+
+
+def test_the_same_questions_as_a_local_run(slurm_run, local_questions):
+    workdir, _ = slurm_run
+    results = workdir / "results"
+    for shard in range(SHARDED["generate"]):
+        expected = ids(local_questions / f"shard_{shard}.jsonl")
+        assert ids(results / f"questions/shard_{shard}.jsonl") == expected
+        answered = ids(results / f"completions/shard_{shard}.jsonl")
+        assert sorted(answered) == sorted(expected), f"shard {shard}"
+    assert ids(results / "questions/heldout.jsonl") == ids(local_questions / "heldout.jsonl")
+    everything = [i for shard in range(SHARDED["generate"]) for i in ids(local_questions / f"shard_{shard}.jsonl")]
+    row_ids = json.loads((results / "dataset/row_ids.json").read_text())
+    assert sorted(row_ids) == sorted(everything)
+    # Both extraction shards together hold every row once.
+    manifests = [json.loads((results / f"hidden_states/shard_{s}/manifest.json").read_text())
+                 for s in range(SHARDED["extract"])]  # fmt: skip
+    assert all(m["vllm_layer_ids"] == [2, 3, 5, 6] for m in manifests)
+    assert len(list((results / "hidden_states/all").iterdir())) == len(row_ids)
+
+
+def test_acceptance_is_that_of_the_local_demo(slurm_run):
+    """The local demo's goals (tests/test_workflow.py); generation is sampled, so the number
+    moves a little between runs, local or not."""
+    workdir, _ = slurm_run
+    result = json.loads((workdir / "results/eval/acceptance.json").read_text())
+    print(f"\nacceptance length {result['acceptance_length']:.2f}, untrained "
+          f"{result['untrained_acceptance_length']:.2f}")  # fmt: skip
+    assert result["acceptance_length"] >= 2.5, result
+    assert result["acceptance_length"] > result["untrained_acceptance_length"] + 1.0, result
+
+
+def test_rerun_has_nothing_to_do(slurm_run):
+    workdir, _ = slurm_run
+    rerun = snakemake(workdir, *PROFILE, "-n", timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "Nothing to be done" in rerun.stdout + rerun.stderr
