@@ -196,3 +196,23 @@ def test_cpu_adaptations_leave_an_accelerator_machine_alone(monkeypatch):
     trainer_class = cli.Trainer
     assert speculators_cpu.apply() is False
     assert cli.Trainer is trainer_class
+
+
+def test_checkpoints_survive_speculators_caches_but_not_new_data(tmp_path):
+    """Resume only on the same inputs: speculators' own cache files in the dataset directory
+    do not count as new data; a regenerated hidden-state file does."""
+    from draftsmith.train import TrainPaths, inputs_fingerprint
+
+    dataset, hidden = tmp_path / "dataset", tmp_path / "hs"
+    dataset.mkdir()
+    hidden.mkdir()
+    for name in ("data-00000-of-00001.arrow", "state.json", "token_freq.pt"):
+        (dataset / name).write_bytes(b"x")
+    (hidden / "hs_0.safetensors").write_bytes(b"y")
+    paths = TrainPaths(dataset, hidden, tmp_path / "staging", tmp_path / "out", tmp_path / "spec.json")
+    before = inputs_fingerprint(paths)
+    (dataset / "d2t-200.npy").write_bytes(b"cache")
+    (dataset / ".snakemake_timestamp").touch()
+    assert inputs_fingerprint(paths) == before
+    (hidden / "hs_0.safetensors").write_bytes(b"regenerated")
+    assert inputs_fingerprint(paths) != before

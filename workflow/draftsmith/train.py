@@ -221,7 +221,10 @@ def inputs_fingerprint(paths: TrainPaths) -> str:
     the hidden-state files the view links to. Regenerated inputs must not resume old
     checkpoints; an unchanged rerun after a crash must."""
     digest = hashlib.sha256()
-    files = sorted(paths.dataset.iterdir()) + sorted(paths.hidden_states.iterdir())
+    # Only what the earlier stages wrote: speculators itself caches its vocabulary maps
+    # (d2t-*.npy, t2d-*.npy) in the dataset directory, and Snakemake adds a timestamp file.
+    dataset_files = [*paths.dataset.glob("*.arrow"), *paths.dataset.glob("*.json"), paths.dataset / "token_freq.pt"]
+    files = sorted(dataset_files) + sorted(paths.hidden_states.glob("hs_*.safetensors"))
     for path in files:
         stat = path.stat()  # follows the view's links to the shard files
         digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
