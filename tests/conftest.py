@@ -1,6 +1,8 @@
 """Shared fixtures: the demo target model, built once per test session."""
 
 import os
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -36,3 +38,24 @@ def server_settings(model: Path, **server) -> dict:
             **server,
         },
     }
+
+
+# vLLM renames its engine processes (VLLM::EngineCore, VLLM::Worker); match those too.
+HEAVY_MARKERS = ("vllm.entrypoints", "VLLM::", "speculators_cpu", "draftsmith.guard")
+
+
+def heavy_processes() -> list[str]:
+    """Servers, engines, trainers and guards alive right now (zombies excluded)."""
+    listing = subprocess.run(["ps", "-eo", "stat=,args="], capture_output=True, text=True).stdout
+    return [
+        line for line in listing.splitlines()
+        if not line.lstrip().startswith("Z") and any(marker in line for marker in HEAVY_MARKERS)
+    ]  # fmt: skip
+
+
+def heavy_processes_after(seconds: float = 20.0) -> list[str]:
+    """Heavy processes still alive once the guards had `seconds` to stop their groups."""
+    deadline = time.monotonic() + seconds
+    while (alive := heavy_processes()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return alive

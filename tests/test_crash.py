@@ -13,15 +13,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import heavy_processes, heavy_processes_after
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.e2e
 RUN = [sys.executable, "-m", "snakemake", "--cores", "all", "--resources", "gpu=8"]
-
-
-def heavy_processes() -> list[str]:
-    listing = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
-    return [line for line in listing if "vllm.entrypoints" in line or "speculators_cpu train" in line]
 
 
 def count(pattern: str, workdir: Path) -> int:
@@ -43,8 +39,8 @@ def run_until(workdir: Path, condition, timeout: float = 900) -> None:
         time.sleep(0.2)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
-    time.sleep(3)  # servers and trainers die with their parents (PR_SET_PDEATHSIG)
-    assert heavy_processes() == []
+    # Each server's and trainer's guard stops its whole group when its stage dies.
+    assert heavy_processes_after(20) == []
 
 
 @pytest.fixture(scope="module")

