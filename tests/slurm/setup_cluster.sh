@@ -20,7 +20,7 @@ SPOOL=/var/spool/slurmd
 LOGDIR=/var/log/slurm
 RUNDIR=/run/slurm
 JOBCOMP=${JOBCOMP:-$LOGDIR/jobcomp.log}
-WAIT_S=${WAIT_S:-60}
+WAIT_S=${WAIT_S:-120}  # a restart can wait ~60 s for the old slurmd port
 
 log() { echo "setup_cluster: $*" >&2; }
 die() { log "$*"; exit 1; }
@@ -28,13 +28,19 @@ die() { log "$*"; exit 1; }
 [ "$(id -u)" = 0 ] || die "run as root (it installs packages and starts daemons)"
 
 stop_daemons() {
+    # SLURM's own shutdown first (controller and every slurmd), then whatever the pid
+    # files still name.
+    scontrol shutdown >/dev/null 2>&1 || true
     local pidfile
     for pidfile in "$RUNDIR"/slurmd-*.pid "$RUNDIR"/slurmctld.pid; do
         [ -f "$pidfile" ] || continue
         local pid
         pid=$(cat "$pidfile")
         if kill -0 "$pid" 2>/dev/null; then
-            kill "$pid" && log "stopped $(basename "$pidfile" .pid) (pid $pid)"
+            kill "$pid"
+            # Wait for it to exit: a restart must find its port free.
+            for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+            log "stopped $(basename "$pidfile" .pid) (pid $pid)"
         fi
         rm -f "$pidfile"
     done
@@ -128,9 +134,11 @@ rm -f "$NEW_CONF"
 
 # 4. Daemons (started only when not already running).
 running() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
-if ! running "$RUNDIR/slurmctld.pid"; then
+# The controller answers pings (a pid file can be stale: slurmctld removes it on exit).
+if ! scontrol ping 2>/dev/null | grep -q 'is UP'; then
     log "starting slurmctld"
     /usr/sbin/slurmctld
+    for _ in $(seq 100); do scontrol ping 2>/dev/null | grep -q 'is UP' && break; sleep 0.1; done
 fi
 for i in $(seq 1 "$NODES"); do
     install -d -m 0755 "$SPOOL/node$i"
