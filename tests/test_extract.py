@@ -27,6 +27,7 @@ from conftest import VLLM_ENV, server_settings
 from draftsmith import extract
 from draftsmith.extract import ExtractionError, check_settings, serving_dtype, shard_range
 from draftsmith.shard_gate import sample_path
+from draftsmith.staging import open_staging
 
 NUM_LAYERS = 5
 CONFIG_LAYERS = [0, 2, 4]  # vLLM ids [1, 3, 5]; 4 is the final layer
@@ -191,14 +192,15 @@ def test_resume_requests_only_missing_rows(
     _, first_output = extracted_tp1
     rows = range(len(tiny_rows()))
     staging = tmp_path / "staging"
-    staging.mkdir()
+    settings = settings_for(tiny_model)
+    open_staging(staging, extract.staged_file_shaping(settings, extract.target_shape(settings)[0]))
     kept = [row for row in rows if row % 2 == 0]
     for row in kept:
         shutil.copy(sample_path(first_output, row), sample_path(staging, row))
     corrupt = sample_path(staging, kept[-1])
     corrupt.write_bytes(corrupt.read_bytes()[:-64])
 
-    result = extract.run(settings_for(tiny_model), dataset_dir, 0, 1, staging, tmp_path / "out")
+    result = extract.run(settings, dataset_dir, 0, 1, staging, tmp_path / "out")
 
     assert result.skipped == len(kept) - 1
     assert result.requested == sorted([row for row in rows if row not in kept] + [kept[-1]])
@@ -216,11 +218,12 @@ def test_interrupted_publish_is_recovered_without_server(
     """A crash during publish: some files already moved to the fresh sibling dir."""
     _, first_output = extracted_tp1
     staging, output = tmp_path / "staging", tmp_path / "out"
-    shutil.copytree(first_output, staging)
+    settings = settings_for(tiny_model)
+    open_staging(staging, extract.staged_file_shaping(settings, extract.target_shape(settings)[0]))
+    shutil.copytree(first_output, staging, dirs_exist_ok=True)
     extract.publishing_dir(output).mkdir()
     for row in range(4):
         sample_path(staging, row).rename(sample_path(extract.publishing_dir(output), row))
-    settings = settings_for(tiny_model)
     settings["server"]["extra_args"] = ["--no-such-flag"]  # a server start would fail
     result = extract.run(settings, dataset_dir, 0, 1, staging, output)
     assert result.requested == [] and result.skipped == len(tiny_rows())

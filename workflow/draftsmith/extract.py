@@ -365,6 +365,12 @@ def publish(staging: Path, output: Path, rows: ShardRows, info: dict) -> None:
     publish_directory(fresh, output)
 
 
+def staged_file_shaping(settings: dict, plan: LayerPlan) -> dict:
+    """What a staged file depends on beyond what the gate checks (tokens, shapes): other
+    layers or another model must not reuse staged files."""
+    return {"model": settings["target"]["model"], "vllm_layer_ids": plan.vllm_ids}
+
+
 def run(
     settings: dict,
     dataset_dir: Path,
@@ -381,9 +387,7 @@ def run(
     check_settings(settings, rows)
     log(f"shard {shard}/{num_shards}: rows {rows.rows.start}..{rows.rows.stop - 1}, "
         f"vLLM layer ids {plan.vllm_ids}, hidden {shape.hidden_size}, {shape.dtype}")  # fmt: skip
-    # The gate checks tokens and shapes, not which layers a file holds: other layers (or
-    # another model) must not reuse staged files.
-    open_staging(staging, {"model": settings["target"]["model"], "vllm_layer_ids": plan.vllm_ids})
+    open_staging(staging, staged_file_shaping(settings, plan))
     _recover_interrupted_publish(publishing_dir(output), staging)
     storage = staging / VLLM_STORAGE_DIR
     shutil.rmtree(storage, ignore_errors=True)  # leftovers of a killed server
