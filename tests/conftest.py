@@ -1,6 +1,7 @@
 """Shared fixtures: the demo target model, built once per test session."""
 
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -8,6 +9,20 @@ from pathlib import Path
 import pytest
 
 from draftsmith.demo_model import build_demo_model
+
+ROOT = Path(__file__).resolve().parents[1]
+# What a copy of the workflow needs to run (envs/: rules record their conda file in metadata).
+WORKFLOW_FILES = ("Snakefile", "workflow", "config", "profiles", "envs")
+
+
+def copy_workflow(workdir: Path) -> Path:
+    """A private copy of the workflow, so a test's results never touch the repository."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    for name in WORKFLOW_FILES:
+        source = ROOT / name
+        (shutil.copytree if source.is_dir() else shutil.copy2)(source, workdir / name)
+    return workdir
+
 
 # vLLM on a small CPU box: a 1 GiB KV cache, no hub access.
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}

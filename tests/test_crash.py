@@ -4,7 +4,6 @@ completes, asks only for what was missing, and leaves no server or trainer behin
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import heavy_processes, heavy_processes_after
+from conftest import copy_workflow, heavy_processes, heavy_processes_after
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.e2e
@@ -46,9 +45,7 @@ def run_until(workdir: Path, condition, timeout: float = 900) -> None:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("crash")
-    for name in ("Snakefile", "workflow", "config", "profiles", "envs"):
-        source = ROOT / name
-        (shutil.copytree if source.is_dir() else shutil.copy2)(source, workdir / name)
+    copy_workflow(workdir)
     config = yaml.safe_load((workdir / "config/config.yaml").read_text())
     # Small and quick: the test is about resuming, not about the drafter's quality.
     config["questions"].update(limit=400, heldout=20)

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import yaml
+from conftest import copy_workflow
 
 from draftsmith.dataset import prepare_data_command
 from draftsmith.server import ServerSpec
@@ -18,9 +19,7 @@ def test_shell_metacharacters_in_a_model_path_are_harmless(tmp_path):
     """The model path goes through Snakemake's shell rule (quoted with :q) into the stage."""
     workdir = tmp_path / "work"
     workdir.mkdir()
-    for name in ("Snakefile", "workflow", "config", "profiles", "envs"):
-        source = ROOT / name
-        (__import__("shutil").copytree if source.is_dir() else __import__("shutil").copy2)(source, workdir / name)
+    copy_workflow(workdir)
     model = workdir / NASTY
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 163840}))

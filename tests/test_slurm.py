@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import copy_workflow
 
 ROOT = Path(__file__).resolve().parents[1]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
@@ -52,15 +53,6 @@ pytestmark = [pytest.mark.slurm, pytest.mark.e2e, pytest.mark.skipif(UNAVAILABLE
 
 def snakemake(workdir: Path, *args: str, timeout: int = 3600) -> subprocess.CompletedProcess:
     return subprocess.run([*SNAKEMAKE, *args], cwd=workdir, capture_output=True, text=True, timeout=timeout)
-
-
-def copy_workflow(workdir: Path) -> Path:
-    # envs/ too: Snakemake records a rule's conda file in the job metadata on a cluster.
-    for name in ("Snakefile", "workflow", "config", "profiles", "envs"):
-        source = ROOT / name
-        copy = shutil.copytree if source.is_dir() else shutil.copy2
-        copy(source, workdir / name)
-    return workdir
 
 
 def slurm_config() -> dict[str, str]:

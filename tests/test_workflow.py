@@ -7,14 +7,13 @@ and the HTML report.
 """
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import heavy_processes
+from conftest import copy_workflow, heavy_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
@@ -47,10 +46,7 @@ def planned_jobs(output: str) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("demo")
-    for name in ("Snakefile", "workflow", "config", "profiles", "envs"):
-        source = ROOT / name
-        copy = shutil.copytree if source.is_dir() else shutil.copy2
-        copy(source, workdir / name)
+    copy_workflow(workdir)
     run = snakemake(workdir, "--cores", "all", "--resources", "gpu=8")
     assert run.returncode == 0, run.stderr[-5000:]
     return workdir
