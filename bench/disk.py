@@ -13,6 +13,8 @@ import argparse
 import json
 from pathlib import Path
 
+from results_file import write_result
+
 ROOT = Path(__file__).resolve().parents[1]
 BYTES_PER_VALUE = 2  # bf16
 
@@ -50,10 +52,7 @@ def main() -> None:
     # The same overhead at production width, from the demo's per-file overhead.
     overhead_per_token = (apparent - ideal) / tokens
     result["apparent_over_ideal_at_kimi_width"] = round(1 + overhead_per_token / (4 * 7168 * BYTES_PER_VALUE), 6)
-    out = ROOT / "bench" / "results" / "disk.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    write_result("disk", result)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from snakemake.utils import validate
 
 from draftsmith.generate import RecordWriter, answer_questions
 from draftsmith.server import ServerSpec, managed_server
+from results_file import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,10 +80,7 @@ def main() -> None:
         "ratio_stage_over_plain": round(statistics.median(rates["stage"]) / statistics.median(rates["plain"]), 4),
         "goal": 0.95,
     }  # fmt: skip
-    out = ROOT / "bench" / "results" / "generation_client.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    write_result("generation_client", result)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import yaml
 
+from results_file import write_result
+
 ROOT = Path(__file__).resolve().parents[1]
 # Stage order, so that created outputs get increasing modification times.
 RULE_ORDER = ["questions", "generate", "dataset", "extract", "training_view", "train", "evaluate",
@@ -117,10 +119,7 @@ def main() -> None:
         "outputs_present_for_noop": outputs, "machine": f"{os.cpu_count()} cores",
         "dry_run_all_jobs": summary(dry), "noop_rerun": summary(noop), "goal_seconds": 10,
     }  # fmt: skip
-    out = ROOT / "bench" / "results" / "planning.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    write_result("planning", result)
 
 
 if __name__ == "__main__":

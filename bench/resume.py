@@ -21,6 +21,7 @@ import yaml
 from snakemake.utils import validate
 
 from draftsmith import extract
+from results_file import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,10 +70,7 @@ def main() -> None:
         "requested_by_rerun": requested, "ratio": round(requested / missing, 4), "goal": 1.02,
         "published_rows": len(list(output.glob("hs_*.safetensors"))),
     }  # fmt: skip
-    out = ROOT / "bench" / "results" / "resume.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2))
+    write_result("resume", report)
 
 
 if __name__ == "__main__":
