@@ -30,6 +30,15 @@ def read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def assert_complete_and_well_formed(output, questions):
+    records = read_jsonl(output)
+    assert [r["id"] for r in records] == [q["id"] for q in questions]  # each once, in order
+    for record in records:
+        mask = record["loss_mask"]
+        assert len(mask) == len(record["input_ids"]) and record["completion_tokens"] > 0
+        assert mask == [0] * record["prompt_tokens"] + [1] * record["completion_tokens"]
+
+
 @pytest.mark.vllm
 def test_answers_keep_think_tags_and_mask_only_the_answer(demo_target, tmp_path):
     questions = write_questions(tmp_path / "q.jsonl", 6)
@@ -126,3 +135,35 @@ def test_staged_answers_are_dropped_when_a_generation_setting_changes(tmp_path):
     changed = settings | {"generation": GENERATION | {"max_tokens": 12}}
     generate.open_staging(staging, generate.answer_shaping_settings(changed))
     assert generate.load_records(staging / generate.RECORDS) == {}
+
+
+def long_question(words: int) -> dict:
+    return {"id": "q-long", "messages": [{"role": "user", "content": " ".join(["count"] * words)}]}
+
+
+def test_prompts_that_fill_the_context_fail_before_the_server_starts(demo_target, tmp_path):
+    write_questions(tmp_path / "q.jsonl", 3)
+    with (tmp_path / "q.jsonl").open("a") as handle:
+        handle.write(json.dumps(long_question(600)) + "\n")
+    settings = server_settings(demo_target) | {"generation": GENERATION}
+    started = time.monotonic()
+    with pytest.raises(generate.GenerationError) as caught:
+        generate.run(settings, tmp_path / "q.jsonl", tmp_path / "staging", tmp_path / "out.jsonl", None)
+    assert str(caught.value).startswith(
+        "1 of 4 questions have a prompt that fills server.max_model_len=512 on its own (longest "
+    )
+    assert "e.g. q-long): raise server.max_model_len or drop them; nothing was started" in str(caught.value)
+    assert time.monotonic() - started < 10  # a tokenizer pass, no model load
+
+
+@pytest.mark.vllm
+def test_an_overlong_prompt_within_the_error_budget_is_skipped_and_counted(demo_target, tmp_path):
+    questions = write_questions(tmp_path / "q.jsonl", 5)
+    with (tmp_path / "q.jsonl").open("a") as handle:
+        handle.write(json.dumps(long_question(600)) + "\n")
+    settings = server_settings(demo_target) | {"generation": GENERATION | {"max_error_fraction": 0.2}}
+    generate.run(settings, tmp_path / "q.jsonl", tmp_path / "staging", tmp_path / "out.jsonl", None)
+    assert_complete_and_well_formed(tmp_path / "out.jsonl", questions)
+    summary = json.loads((tmp_path / "staging" / "summary.json").read_text())
+    assert summary["failed"] == 1 and summary["asked_this_run"] == 5
+    assert summary["errors"]["q-long"].startswith("prompt of ") and "fills max_model_len" in summary["errors"]["q-long"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import os
 import time
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from speculators.cli.regenerate_responses import regenerate_conversation
+from transformers import AutoTokenizer
 
 from draftsmith.atomic import atomic_write_text
 from draftsmith.client import chat_poster, open_session
@@ -88,16 +90,25 @@ def record_from_sample(question_id: str, sample: dict[str, Any]) -> dict[str, An
 
 
 class RecordWriter:
-    """Appends one JSON line per finished question and fsyncs it: a crash keeps it."""
+    """Appends one JSON line per finished question and fsyncs it: a crash keeps it.
+
+    Unbuffered, and a failed write (a full disk) is cut back off: the file holds only
+    whole lines, so a later append cannot glue a record onto half of another."""
 
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._handle = path.open("a", encoding="utf-8")
+        self._handle = path.open("ab", buffering=0)
 
     def write(self, record: dict[str, Any]) -> None:
-        self._handle.write(json.dumps(record) + "\n")
-        self._handle.flush()
-        os.fsync(self._handle.fileno())
+        line = (json.dumps(record) + "\n").encode()
+        end = self._handle.seek(0, os.SEEK_END)
+        try:
+            if self._handle.write(line) != len(line):
+                raise OSError(errno.ENOSPC, "short write", str(self._handle.name))
+            os.fsync(self._handle.fileno())
+        except OSError:
+            self._handle.truncate(end)
+            raise
 
     def close(self) -> None:
         self._handle.close()
@@ -175,6 +186,28 @@ def answer_shaping_settings(settings: dict) -> dict:
     }
 
 
+def overlong_prompts(settings: dict, questions: list[dict[str, Any]]) -> dict[str, int]:
+    """Prompt lengths of the questions whose prompt alone fills server.max_model_len.
+
+    vLLM would refuse each with HTTP 400, but only after the model has loaded (an hour
+    for a large target); the tokenizer tells the same in seconds. An external endpoint's
+    context is not ours to know, so it is not checked."""
+    limit = settings["server"].get("max_model_len")
+    if not limit or settings["generation"].get("endpoint"):
+        return {}
+    tokenizer = AutoTokenizer.from_pretrained(
+        settings["target"]["model"], trust_remote_code=settings["target"]["trust_remote_code"]
+    )
+    lengths = {}
+    for question in questions:
+        prompt = tokenizer.apply_chat_template(
+            question["messages"], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        if len(prompt) >= limit:
+            lengths[question["id"]] = len(prompt)
+    return lengths
+
+
 def run(settings: dict, questions_path: Path, staging: Path, output: Path, granted_gpus: int | None) -> Tally:
     check_gpu_slot(settings, granted_gpus)
     generation = settings["generation"]
@@ -185,19 +218,34 @@ def run(settings: dict, questions_path: Path, staging: Path, output: Path, grant
     todo = [q for q in questions if q["id"] not in done]
     log(f"{len(questions)} questions in shard: {len(done)} already answered, {len(todo)} to ask")
 
-    tally = Tally()
+    allowed = generation["max_error_fraction"] * len(questions)
+    overlong = overlong_prompts(settings, todo)
+    if overlong:
+        limit = settings["server"]["max_model_len"]
+        message = (
+            f"{len(overlong)} of {len(questions)} questions have a prompt that fills "
+            f"server.max_model_len={limit} on its own (longest {max(overlong.values())} tokens, "
+            f"e.g. {next(iter(overlong))})"
+        )
+        if len(overlong) > allowed:
+            raise GenerationError(f"{message}: raise server.max_model_len or drop them; nothing was started")
+        log(f"{message}: skipped, counted as failed")
+        todo = [q for q in todo if q["id"] not in overlong]
+
+    tally = Tally(errors={i: f"prompt of {n} tokens fills max_model_len" for i, n in overlong.items()})
     if todo:
         writer = RecordWriter(records_path)
         spec = ServerSpec.from_config(settings)
         started = time.monotonic()
         try:
             with managed_server(spec, external=external_endpoint(settings)) as endpoint:
-                tally = asyncio.run(
+                asked = asyncio.run(
                     answer_questions(
                         endpoint, todo, writer,
                         generation=generation, already_done=len(done), total=len(questions),
                     )
                 )  # fmt: skip
+            tally = Tally(asked.ok, asked.truncated, tally.errors | asked.errors)
         finally:
             writer.close()
         log(
@@ -216,7 +264,6 @@ def run(settings: dict, questions_path: Path, staging: Path, output: Path, grant
         "errors": dict(list(tally.errors.items())[:20]),
     }
     atomic_write_text(staging / "summary.json", json.dumps(summary, indent=2) + "\n")
-    allowed = generation["max_error_fraction"] * len(questions)
     if len(missing) > allowed:
         first = "; ".join(f"{k}: {v}" for k, v in list(tally.errors.items())[:3])
         raise GenerationError(

@@ -14,9 +14,11 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -153,6 +155,27 @@ def wait_until_healthy(
         time.sleep(1.0)
 
 
+class DeathWatch:
+    """Interrupts the job if its server exits while the job still uses it.
+
+    Without it a dead server shows up only as refused connections, each retried with
+    back-off: a production shard would spend most of an hour failing question by
+    question. With it the stage stops within a second and says why. SIGINT reaches
+    the main thread wherever it is (asyncio.run cancels its tasks on it)."""
+
+    def __init__(self, process: subprocess.Popen):
+        self.process = process
+        self.expected = False
+        self.died = False
+        threading.Thread(target=self._watch, name="server-death-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        self.process.wait()
+        if not self.expected:
+            self.died = True
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+
 def _stderr_path() -> Path | None:
     """The file our stderr writes to (the rule's log), if it is a file."""
     with contextlib.suppress(OSError):
@@ -200,7 +223,19 @@ def managed_server(
         )
     try:
         wait_until_healthy(process, endpoint, tail_path, spec.startup_timeout_s)
-        yield endpoint
+        watch = DeathWatch(process)
+        try:
+            yield endpoint
+        except KeyboardInterrupt:
+            if not watch.died:
+                raise
+            raise ServerError(
+                f"vLLM server died mid-stage (exit code {process.returncode}); finished work "
+                f"is kept and a rerun resumes it. Find the cause (out of memory? a crashed "
+                f"worker?) in its log ({tail_path}), last lines:\n{log_tail(tail_path)}"
+            ) from None
+        finally:
+            watch.expected = True
     finally:
         log("stopping vLLM server")
         stop_process_group(process)
