@@ -157,3 +157,16 @@ def test_hugging_face_dataset_through_datasets(tmp_path):
     write_jsonl(repo / "data" / "train.jsonl", [{"conversations": [{"from": "human", "value": f"q{i}"}]} for i in range(4)])
     summary = q.run(settings(repo, heldout=1), tmp_path / "out")
     assert summary["questions"] == 4
+
+
+def test_source_ids_are_ignored_so_duplicated_ones_cannot_merge_or_split_questions(tmp_path):
+    rows = [
+        {"id": "same", "prompt": "count to 3"},
+        {"id": "same", "prompt": "spell dog"},  # the source reuses an id for other content
+        {"id": "other", "prompt": "count to 3"},  # and gives the same content another id
+    ]
+    summary = q.run(settings(write_jsonl(tmp_path / "in.jsonl", rows), heldout=0, shards=1), tmp_path / "out")
+    assert summary["questions"] == 2 and summary["duplicates"] == 1
+    kept = read_jsonl(tmp_path / "out" / "shard_0.jsonl")
+    assert sorted(r["messages"][0]["content"] for r in kept) == ["count to 3", "spell dog"]
+    assert len({r["id"] for r in kept}) == 2 and "same" not in {r["id"] for r in kept}

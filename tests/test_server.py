@@ -2,13 +2,16 @@
 
 import json
 import shutil
+import socket
+import time
 import urllib.error
 import urllib.request
 
 import psutil
 import pytest
-from conftest import heavy_processes, server_settings
+from conftest import heavy_processes, heavy_processes_after, server_settings
 
+from draftsmith import server
 from draftsmith.server import ServerError, ServerSpec, managed_server
 
 pytestmark = pytest.mark.vllm
@@ -72,3 +75,32 @@ def test_load_timeout_stops_the_server(demo_target, tmp_path):
         with managed_server(spec, tmp_path / "server.log"):
             pytest.fail("a 3 s budget is too short for vLLM to load")
     assert set(heavy_processes()) - before == set()
+
+
+def test_a_port_taken_by_another_process_is_named(demo_target, tmp_path, monkeypatch):
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    port = squatter.getsockname()[1]
+    # The race free_port() cannot exclude: someone binds the port before vLLM does.
+    monkeypatch.setattr(server, "free_port", lambda: port)
+    spec = ServerSpec.from_config(server_settings(demo_target))
+    with squatter, pytest.raises(ServerError) as failure:
+        with managed_server(spec, tmp_path / "server.log"):
+            pytest.fail("vLLM cannot serve on a taken port")
+    assert str(failure.value) == (
+        f"port {port} on 127.0.0.1 was taken by another process before vLLM could bind it; "
+        "rerun (each start picks a new free port)"
+    )
+    assert heavy_processes_after(20) == []
+
+
+def test_the_stage_is_interrupted_when_its_server_dies(demo_target, tmp_path):
+    spec = ServerSpec.from_config(server_settings(demo_target))
+    with pytest.raises(ServerError, match=r"vLLM server died mid-stage \(exit code -9\)"):
+        with managed_server(spec, tmp_path / "server.log") as endpoint:
+            port = int(endpoint.base_url.rsplit(":", 1)[1].split("/")[0])
+            for process in server_processes(port):
+                process.kill()
+            time.sleep(60)  # the job's own work; the watch interrupts it
+            pytest.fail("the job kept running on a dead server")

@@ -135,9 +135,15 @@ def wait_until_healthy(
     last_report = started
     while True:
         if process.poll() is not None:
+            tail = log_tail(log_path)
+            if "Address already in use" in tail:
+                raise ServerError(
+                    f"port {endpoint.root_url.rsplit(':', 1)[1]} on 127.0.0.1 was taken by another "
+                    "process before vLLM could bind it; rerun (each start picks a new free port)"
+                )
             raise ServerError(
                 f"vLLM server exited with code {process.returncode} before it was ready; "
-                f"fix the error in its log ({log_path}), last lines:\n{log_tail(log_path)}"
+                f"fix the error in its log ({log_path}), last lines:\n{tail}"
             )
         if _is_healthy(endpoint):
             log(f"server ready at {endpoint.base_url} after {time.monotonic() - started:.0f}s")
