@@ -1,6 +1,7 @@
-"""Kill the whole workflow (SIGKILL to Snakemake's process group) during generation,
-extraction and training; rerun with the documented commands after each kill. The rerun
-completes, asks only for what was missing, and leaves no server or trainer behind."""
+"""Kill the whole workflow (SIGKILL to Snakemake's process group) during question prep,
+generation, dataset, extraction, training and evaluation; rerun with the documented
+commands after each kill. The rerun completes with the ids an uninterrupted run plans,
+asks only for what was missing, and leaves no server or trainer behind."""
 
 import json
 import os
@@ -13,6 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import copy_workflow, heavy_processes, heavy_processes_after
+from snakemake.utils import validate
+
+from draftsmith import questions
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.e2e
@@ -60,9 +64,29 @@ def rerun_after_kill(workdir: Path) -> None:
     subprocess.run([sys.executable, "-m", "snakemake", "--unlock"], cwd=workdir, check=True, capture_output=True)
 
 
-def test_kill_anywhere_then_rerun_completes_without_redoing_work(workdir):
+def log_says(workdir: Path, name: str, text: str = "") -> bool:
+    log = workdir / "results/logs" / name
+    return log.exists() and text in log.read_text(errors="replace")
+
+
+def uninterrupted_question_ids(workdir: Path, tmp_path: Path) -> list[str]:
+    """The ids the questions stage plans when nothing interrupts it."""
+    config = yaml.safe_load((workdir / "config/config.yaml").read_text())
+    validate(config, str(workdir / "workflow/schemas/config.schema.yaml"))
+    config["questions"]["source"] = str(workdir / config["questions"]["source"])
+    questions.run(config, tmp_path / "questions")
+    return sorted(json.loads(line)["id"] for p in (tmp_path / "questions").glob("shard_*.jsonl") for line in p.read_text().splitlines())
+
+
+def test_kill_anywhere_then_rerun_completes_without_redoing_work(workdir, tmp_path):
+    run_until(workdir, lambda: log_says(workdir, "questions.log"))  # during question prep
+    rerun_after_kill(workdir)
+
     run_until(workdir, lambda: records(workdir) >= 60)  # during generation
     answered_before = records(workdir)
+    rerun_after_kill(workdir)
+
+    run_until(workdir, lambda: log_says(workdir, "dataset.log", "prepare"))  # during dataset
     rerun_after_kill(workdir)
 
     run_until(workdir, lambda: count("results/.staging/hidden_states/*/hs_*.safetensors", workdir) >= 150)
@@ -74,14 +98,18 @@ def test_kill_anywhere_then_rerun_completes_without_redoing_work(workdir):
     rerun_after_kill(workdir)
     epochs_before = count("results/.staging/train/checkpoints/[0-9]*", workdir)
 
+    run_until(workdir, lambda: log_says(workdir, "evaluate.log", "server ready"))  # during evaluation
+    rerun_after_kill(workdir)
+
     final = subprocess.run(RUN, cwd=workdir, capture_output=True, text=True, timeout=1800)
     assert final.returncode == 0, final.stderr[-4000:]
     assert heavy_processes() == []
 
-    # Same sample ids as the questions stage planned: none lost, none twice.
+    # The sample ids of an uninterrupted run: none lost, none twice.
     planned = sorted(
         json.loads(line)["id"] for p in workdir.glob("results/questions/shard_*.jsonl") for line in p.read_text().splitlines()
     )
+    assert planned == uninterrupted_question_ids(workdir, tmp_path)
     answered = [json.loads(line)["id"] for p in workdir.glob("results/completions/shard_*.jsonl") for line in p.read_text().splitlines()]
     assert sorted(answered) == planned
     row_ids = json.loads((workdir / "results/dataset/row_ids.json").read_text())

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -96,6 +97,7 @@ def run(settings: dict, completions: list[Path], staging: Path, output: Path) ->
     log(f"merged {answers} answers from {len(completions)} shard(s)")
 
     prepared = staging / "prepared"
+    shutil.rmtree(prepared, ignore_errors=True)  # a killed run's half-written dataset; cheap to redo
     command = prepare_data_command(settings, merged, prepared)
     log("running: " + " ".join(command))
     result = subprocess.run(command, stdin=subprocess.DEVNULL)

@@ -1,0 +1,116 @@
+"""Overhead: the workflow end to end vs. the same stages by hand with the bare tools.
+
+    .venv/bin/python bench/overhead.py [--reps 2] [--workdir /tmp/draftsmith-overhead]
+
+Both sides run the same settings on the same prebuilt demo target and the same
+questions: the workflow (`snakemake --cores all --resources gpu=8`, every rule
+including preflight, plan and report) on the demo config reduced to one shard per
+stage and 3 epochs (so each tool runs once, as by hand), and bench/overhead_bare.sh
+(vLLM servers, the speculators CLI and curl in a plain script). Repetitions are
+interleaved, bare then workflow, then the other way round, because this machine is noisy. Goal: ratio <= 1.10.
+Writes bench/results/overhead.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from snakemake.utils import validate
+
+from draftsmith import questions
+from draftsmith.demo_model import build_demo_model
+from results_file import write_result
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKFLOW_FILES = ("Snakefile", "workflow", "config", "profiles", "envs")
+
+
+def bench_config(model: Path) -> dict:
+    config = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    config["target"].update(model=str(model), build_demo=False)
+    config["questions"].update(source=str(ROOT / config["questions"]["source"]), limit=400, heldout=20, shards=1)
+    config["extraction"]["shards"] = 1
+    config["training"]["epochs"] = 3
+    config["evaluation"]["compare_untrained"] = False
+    return config
+
+
+def run_workflow(config: dict, workdir: Path) -> float:
+    for name in WORKFLOW_FILES:
+        source = ROOT / name
+        (shutil.copytree if source.is_dir() else shutil.copy2)(source, workdir / name)
+    (workdir / "config/overhead.yaml").write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "snakemake", "--configfile", "config/overhead.yaml",
+               "--cores", "all", "--resources", "gpu=8"]  # fmt: skip
+    return timed(command, workdir, workdir / "snakemake.log")
+
+
+def run_bare(model: Path, questions_dir: Path, out: Path) -> float:
+    out.mkdir(parents=True)
+    command = ["bash", str(ROOT / "bench/overhead_bare.sh"), str(model), str(questions_dir), str(out)]
+    return timed(command, out, out / "script.log")
+
+
+def timed(command: list[str], cwd: Path, log: Path) -> float:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    started = time.monotonic()
+    with log.open("w") as handle:
+        subprocess.run(command, cwd=cwd, env=env, stdout=handle, stderr=subprocess.STDOUT, check=True)
+    return time.monotonic() - started
+
+
+def acceptance(path: Path) -> float:
+    return json.loads(path.read_text())["acceptance_length"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/draftsmith-overhead"))
+    args = parser.parse_args()
+    shutil.rmtree(args.workdir, ignore_errors=True)
+    args.workdir.mkdir(parents=True)
+
+    model = args.workdir / "demo_model"
+    build_demo_model(model, train_seconds=0, max_steps=500, seed=0, eval_per_task=0)
+    config = bench_config(model)
+    validate(config, str(ROOT / "workflow/schemas/config.schema.yaml"))
+    questions.run(config, args.workdir / "questions")  # the same files the workflow's stage writes
+
+    reps = []
+    for rep in range(args.reps):
+        order = ["bare", "workflow"] if rep % 2 == 0 else ["workflow", "bare"]
+        times, accepted = {}, {}
+        for side in order:
+            place = args.workdir / f"{side}_{rep}"
+            if side == "workflow":
+                place.mkdir()
+                times[side] = run_workflow(config, place)
+                accepted[side] = acceptance(place / "results/eval/acceptance.json")
+            else:
+                times[side] = run_bare(model, args.workdir / "questions", place)
+                accepted[side] = acceptance(place / "acceptance.json")
+            print(f"rep {rep} {side}: {times[side]:.1f} s, acceptance {accepted[side]:.2f}", flush=True)
+        reps.append({"order": order, "seconds": times, "acceptance_length": accepted,
+                     "ratio": times["workflow"] / times["bare"]})  # fmt: skip
+
+    write_result("overhead", {
+        "goal": "workflow / bare <= 1.10",
+        "settings": "demo config, 400 questions (20 held out), 1 shard per stage, 3 epochs, no untrained baseline",
+        "machine": f"{os.cpu_count()} cores",
+        "repetitions": reps,
+        "median_ratio": round(statistics.median(r["ratio"] for r in reps), 3),
+    })  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
