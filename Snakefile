@@ -1,6 +1,9 @@
 # draftsmith: questions -> target completions -> dataset -> hidden states -> drafter -> evaluation.
 # Plan: snakemake -n    Run: snakemake --cores all --resources gpu=8
+from snakemake.exceptions import WorkflowError
 from snakemake.utils import min_version, validate
+
+from draftsmith.config_check import config_problem
 
 min_version("9.0")
 
@@ -12,6 +15,9 @@ if not workflow.overwrite_configfiles:
     configfile: "config/config.yaml"
 
 
+# One clear line naming the key at fault; then Snakemake's validate fills in the defaults.
+if problem := config_problem(config, "workflow/schemas/config.schema.yaml"):
+    raise WorkflowError(problem)
 validate(config, "workflow/schemas/config.schema.yaml")
 
 

@@ -2,11 +2,12 @@
 
     .venv/bin/python bench/overhead.py [--reps 2] [--workdir /tmp/draftsmith-overhead]
 
-Both sides run the same settings on the same prebuilt demo target and the same
+Both sides run the demo's settings on the same prebuilt demo target and the same
 questions: the workflow (`snakemake --cores all --resources gpu=8`, every rule
-including preflight, plan and report) on the demo config reduced to one shard per
-stage and 3 epochs (so each tool runs once, as by hand), and bench/overhead_bare.sh
-(vLLM servers, the speculators CLI and curl in a plain script). Repetitions are
+including preflight, plan and report) on the demo config with one shard per stage and
+no untrained baseline (so each tool runs once, as by hand), and bench/overhead_bare.sh
+(vLLM servers, the speculators CLI and curl in a plain script). Both run a snapshot of
+the code taken at the start, so editing the repository cannot change a running benchmark. Repetitions are
 interleaved, bare then workflow, then the other way round, because this machine is noisy. Goal: ratio <= 1.10.
 Writes bench/results/overhead.json.
 """
@@ -37,31 +38,39 @@ WORKFLOW_FILES = ("Snakefile", "workflow", "config", "profiles", "envs")
 def bench_config(model: Path) -> dict:
     config = yaml.safe_load((ROOT / "config/config.yaml").read_text())
     config["target"].update(model=str(model), build_demo=False)
-    config["questions"].update(source=str(ROOT / config["questions"]["source"]), limit=400, heldout=20, shards=1)
+    config["questions"].update(source=str(ROOT / config["questions"]["source"]), shards=1)
     config["extraction"]["shards"] = 1
-    config["training"]["epochs"] = 3
     config["evaluation"]["compare_untrained"] = False
     return config
 
 
-def run_workflow(config: dict, workdir: Path) -> float:
-    for name in WORKFLOW_FILES:
+def snapshot(target: Path) -> Path:
+    target.mkdir()
+    for name in (*WORKFLOW_FILES, "bench"):
         source = ROOT / name
+        (shutil.copytree if source.is_dir() else shutil.copy2)(source, target / name)
+    return target
+
+
+def run_workflow(config: dict, code: Path, workdir: Path) -> float:
+    for name in WORKFLOW_FILES:
+        source = code / name
         (shutil.copytree if source.is_dir() else shutil.copy2)(source, workdir / name)
     (workdir / "config/overhead.yaml").write_text(yaml.safe_dump(config))
     command = [sys.executable, "-m", "snakemake", "--configfile", "config/overhead.yaml",
                "--cores", "all", "--resources", "gpu=8"]  # fmt: skip
-    return timed(command, workdir, workdir / "snakemake.log")
+    return timed(command, code, workdir, workdir / "snakemake.log")
 
 
-def run_bare(model: Path, questions_dir: Path, out: Path) -> float:
+def run_bare(model: Path, questions_dir: Path, code: Path, out: Path) -> float:
     out.mkdir(parents=True)
-    command = ["bash", str(ROOT / "bench/overhead_bare.sh"), str(model), str(questions_dir), str(out)]
-    return timed(command, out, out / "script.log")
+    command = ["bash", str(code / "bench/overhead_bare.sh"), str(model), str(questions_dir), str(out)]
+    return timed(command, code, out, out / "script.log")
 
 
-def timed(command: list[str], cwd: Path, log: Path) -> float:
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+def timed(command: list[str], code: Path, cwd: Path, log: Path) -> float:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "PYTHONPATH": str(code / "workflow")}  # fmt: skip
     started = time.monotonic()
     with log.open("w") as handle:
         subprocess.run(command, cwd=cwd, env=env, stdout=handle, stderr=subprocess.STDOUT, check=True)
@@ -80,9 +89,10 @@ def main() -> None:
     shutil.rmtree(args.workdir, ignore_errors=True)
     args.workdir.mkdir(parents=True)
 
+    code = snapshot(args.workdir / "code")
     model = args.workdir / "demo_model"
-    build_demo_model(model, train_seconds=0, max_steps=500, seed=0, eval_per_task=0)
     config = bench_config(model)
+    build_demo_model(model, train_seconds=0, max_steps=config["target"]["demo_train_steps"], seed=0, eval_per_task=0)
     validate(config, str(ROOT / "workflow/schemas/config.schema.yaml"))
     questions.run(config, args.workdir / "questions")  # the same files the workflow's stage writes
 
@@ -94,10 +104,10 @@ def main() -> None:
             place = args.workdir / f"{side}_{rep}"
             if side == "workflow":
                 place.mkdir()
-                times[side] = run_workflow(config, place)
+                times[side] = run_workflow(config, code, place)
                 accepted[side] = acceptance(place / "results/eval/acceptance.json")
             else:
-                times[side] = run_bare(model, args.workdir / "questions", place)
+                times[side] = run_bare(model, args.workdir / "questions", code, place)
                 accepted[side] = acceptance(place / "acceptance.json")
             print(f"rep {rep} {side}: {times[side]:.1f} s, acceptance {accepted[side]:.2f}", flush=True)
         reps.append({"order": order, "seconds": times, "acceptance_length": accepted,
@@ -105,7 +115,7 @@ def main() -> None:
 
     write_result("overhead", {
         "goal": "workflow / bare <= 1.10",
-        "settings": "demo config, 400 questions (20 held out), 1 shard per stage, 3 epochs, no untrained baseline",
+        "settings": "demo config (1,200 questions, 60 held out, 15 epochs), 1 shard per stage, no untrained baseline",
         "machine": f"{os.cpu_count()} cores",
         "repetitions": reps,
         "median_ratio": round(statistics.median(r["ratio"] for r in reps), 3),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The benchmark config's stages by hand, with the bare tools: vLLM's server, the
 # speculators CLI, curl. What a user would otherwise script; bench/overhead.py times it
-# against the workflow on the same questions and settings (bench/overhead.yaml).
+# against the workflow on the same questions and the demo's settings.
 #
 #   bench/overhead_bare.sh MODEL QUESTIONS_DIR OUT_DIR
 #
@@ -52,7 +52,7 @@ stop
 # Training: the same flags as the workflow's training stage.
 python -m draftsmith.speculators_cpu train --verifier-name-or-path "$model" \
   --target-layer-ids 2 3 5 --token-freq-path "$out/dataset/token_freq.pt" --draft-vocab-size 200 \
-  --num-layers 1 --epochs 3 --lr 0.003 --total-seq-len 2048 --seed 0 --save-path "$out/checkpoints" \
+  --num-layers 1 --epochs 15 --lr 0.003 --total-seq-len 2048 --seed 0 --save-path "$out/checkpoints" \
   --data-path "$out/dataset" --hidden-states-path "$out/hidden_states" --on-missing raise \
   --num-workers 0 --draft-attn-impl sdpa --loss-implementation eager
 

@@ -2,12 +2,17 @@
 
 import copy
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from snakemake.exceptions import WorkflowError
+from conftest import copy_workflow
 from snakemake.utils import validate
+
+from draftsmith.config_check import config_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = str(ROOT / "workflow" / "schemas" / "config.schema.yaml")
@@ -46,23 +51,43 @@ def test_production_example_matches_the_mission():
     assert config["target"]["model"].startswith("/")
 
 
+FIX = "; fix it in the config file (every key is described in config/README.md)"
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda c: c.update(unknown_key=1), "unknown_key"),
-        (lambda c: c["generation"].update(max_tokenz=5), "max_tokenz"),
-        (lambda c: c["generation"].update(concurrency="many"), "many"),
-        (lambda c: c["questions"].update(shards=0), "minimum"),
-        (lambda c: c["server"].update(tensor_parallel_size=-2), "minimum"),
-        (lambda c: c.update(layers=[5]), "layers"),
-        (lambda c: c["questions"].update(source=""), "source"),
+        (lambda c: c.update(unknown_key=1), "top level: Additional properties are not allowed ('unknown_key' was unexpected)"),
+        (lambda c: c["generation"].update(max_tokenz=5), "generation: Additional properties are not allowed ('max_tokenz' was unexpected)"),
+        (lambda c: c["generation"].update(concurrency="many"), "generation.concurrency: 'many' is not of type 'integer'"),
+        (lambda c: c["questions"].update(shards=0), "questions.shards: 0 is less than the minimum of 1"),
+        (lambda c: c["server"].update(tensor_parallel_size=-2), "server.tensor_parallel_size: -2 is less than the minimum of 1"),
+        (lambda c: c["training"].update(epochs=0), "training.epochs: 0 is less than the minimum of 1"),
+        (lambda c: c["training"].update(lr=0), "training.lr: 0 is less than or equal to the minimum of 0"),
+        (lambda c: c["generation"].update(max_error_fraction=1.5), "generation.max_error_fraction: 1.5 is greater than the maximum of 1"),
+        (lambda c: c.update(layers=[5]), "layers: [5] is too short"),
+        (lambda c: c.pop("layers"), "top level: 'layers' is a required property"),
+        (lambda c: c["questions"].update(source=""), "questions.source: '' should be non-empty"),
     ],
 )
-def test_bad_configs_are_rejected(change, message):
+def test_bad_configs_get_one_line_naming_the_key(change, message):
     config = copy.deepcopy(load("config.yaml"))
     change(config)
-    with pytest.raises(WorkflowError, match=message):
+    assert config_problem(config, SCHEMA) == f"config {message}{FIX}"
+    with pytest.raises(WorkflowError):  # Snakemake's own validate agrees
         validate(config, SCHEMA)
+
+
+def test_snakemake_reports_a_bad_config_in_one_line_without_the_schema(tmp_path):
+    workdir = copy_workflow(tmp_path / "wf")
+    text = (workdir / "config/config.yaml").read_text().replace("  max_tokens: 64", "  max_tokenz: 64")
+    (workdir / "config/config.yaml").write_text(text)
+    run = subprocess.run([sys.executable, "-m", "snakemake", "-n"], cwd=workdir, capture_output=True, text=True)
+    assert run.returncode != 0
+    expected = f"config generation: Additional properties are not allowed ('max_tokenz' was unexpected){FIX}"
+    output = run.stdout + run.stderr
+    assert expected in output.splitlines(), output
+    assert "Failed validating" not in output  # no schema dump
 
 
 def test_every_key_is_documented():

@@ -1,10 +1,13 @@
-"""The guard stops a command's whole process tree when the job that started it is SIGKILLed."""
+"""The guard stops a command's whole process tree when the job that started it is SIGKILLed;
+servers and trainers run without Snakemake's thread caps."""
 
 import os
 import signal
 import subprocess
 import sys
 import time
+
+from draftsmith import guard
 
 JOB = """
 import subprocess, sys, time
@@ -43,3 +46,13 @@ def test_sigkilled_job_takes_the_whole_guarded_tree_with_it():
     while group_members(group):
         assert time.monotonic() < deadline, f"left behind: {group_members(group)}"
         time.sleep(0.2)
+
+
+def test_servers_and_trainers_get_no_thread_caps_from_snakemake(monkeypatch):
+    for name in guard.THREAD_CAPS:
+        monkeypatch.setenv(name, "1")  # what Snakemake exports to a job without `threads`
+    env = guard.uncapped_environment(VLLM_CPU_KVCACHE_SPACE="1")
+    assert not set(guard.THREAD_CAPS) & set(env)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["PATH"] == os.environ["PATH"]
+    # A cap the config asks for (server.env) still applies.
+    assert guard.uncapped_environment(OMP_NUM_THREADS="4")["OMP_NUM_THREADS"] == "4"

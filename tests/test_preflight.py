@@ -125,3 +125,20 @@ def test_broken_environment_fails_the_cli_in_under_ten_seconds(target, tmp_path)
     assert "check_hidden_states" in run.stderr and "nothing was started" in run.stderr
     assert not (tmp_path / "ok.json").exists()
     assert elapsed < 10, f"preflight took {elapsed:.1f}s"
+
+
+@pytest.mark.parametrize(
+    ("visible", "slot", "message"),
+    [
+        (4, 8, "4 GPU(s) visible but TP x DP = 8; run on a host with 8 GPUs or lower TP/DP"),
+        (8, 4, "gpu_slot 4 is below TP x DP = 8; set gpu_slot: 8"),
+    ],
+)
+def test_gpu_slot_smaller_than_tp_times_dp_is_named(visible, slot, message, monkeypatch, target, tmp_path):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    settings = demo_settings(target)
+    settings.update(device="cuda", gpu_slot=slot)
+    settings["server"].update(tensor_parallel_size=1, data_parallel_size=8)
+    assert preflight.check_gpus(settings) == [message]

