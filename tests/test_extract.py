@@ -273,3 +273,10 @@ def test_failed_rows_exit_nonzero_and_nothing_is_published(
     assert not (tmp_path / "out").exists()
     staged = sorted(path.name for path in (tmp_path / "staging").glob("hs_*"))
     assert staged == ["hs_0.safetensors", "hs_2.safetensors"]
+
+
+def test_the_connector_named_to_vllm_is_ours() -> None:
+    from draftsmith import hidden_states_connector
+
+    assert extract.CONNECTOR_MODULE == hidden_states_connector.__name__
+    assert extract.CONNECTOR_NAME == hidden_states_connector.CONNECTOR_NAME

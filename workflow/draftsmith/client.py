@@ -6,9 +6,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
-from speculators.data_generation.vllm_client import InvalidResponseError, with_retries
 
 from draftsmith.server import Endpoint
+
+# speculators is imported where it is used: the stages warm that import while their
+# server loads (server.import_in_background).
+SPECULATORS_CLIENT = "speculators.data_generation.vllm_client"
 
 Poster = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 RETRYABLE_STATUSES = {408, 429}
@@ -26,6 +29,8 @@ def open_session(endpoint: Endpoint, concurrency: int, timeout_s: float) -> aioh
 def chat_poster(session: aiohttp.ClientSession, endpoint: Endpoint, max_retries: int) -> Poster:
     """POST to /chat/completions with speculators' retry policy: transient errors
     (5xx, 408, 429, network) back off and retry; other 4xx fail at once."""
+    from speculators.data_generation.vllm_client import InvalidResponseError, with_retries
+
     url = f"{endpoint.base_url}/chat/completions"
 
     @with_retries

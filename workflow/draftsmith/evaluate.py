@@ -26,10 +26,10 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from draftsmith.atomic import atomic_write_text
-from draftsmith.client import chat_poster, open_session
+from draftsmith.client import SPECULATORS_CLIENT, chat_poster, open_session
 from draftsmith.errors import DraftsmithError
 from draftsmith.progress import Progress, log
-from draftsmith.server import Endpoint, ServerSpec, managed_server
+from draftsmith.server import Endpoint, ServerSpec, import_in_background, managed_server
 from draftsmith.slot import check_gpu_slot
 
 SPEC_METRIC_PREFIX = "vllm:spec_decode_num_"
@@ -112,6 +112,7 @@ async def answer_all(endpoint: Endpoint, questions: list[dict], evaluation: dict
 def measure(settings: dict, questions: list[dict], speculative_config: dict | None, label: str) -> Measurement:
     extra = ["--speculative-config", json.dumps(speculative_config)] if speculative_config else []
     spec = ServerSpec.from_config(settings, extra_args=extra)
+    import_in_background(SPECULATORS_CLIENT)
     with managed_server(spec) as endpoint:
         tokens, seconds = asyncio.run(answer_all(endpoint, questions, settings["evaluation"], label))
         counters = spec_decode_counters(read_metrics(endpoint))

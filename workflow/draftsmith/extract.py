@@ -29,19 +29,14 @@ from pathlib import Path
 import openai
 import torch
 from datasets import Dataset, load_from_disk
-from speculators.data_generation.vllm_client import (
-    InvalidResponseError,
-    generate_hidden_states_async,
-    wait_for_lock_async,
-)
 from transformers import AutoConfig
 
 from draftsmith.atomic import publish_directory
 from draftsmith.errors import DraftsmithError
-from draftsmith.hidden_states_connector import CONNECTOR_MODULE, CONNECTOR_NAME
 from draftsmith.layers import LayerPlan, resolve_layers
 from draftsmith.progress import Progress, log
-from draftsmith.server import Endpoint, ServerSpec, managed_server
+from draftsmith.client import SPECULATORS_CLIENT
+from draftsmith.server import Endpoint, ServerSpec, import_in_background, managed_server
 from draftsmith.shard_gate import BadSample, check_sample, check_shard, sample_path
 from draftsmith.slot import check_gpu_slot
 from draftsmith.staging import open_staging
@@ -50,8 +45,17 @@ SHOW_FIRST = 5
 MANIFEST_NAME = "manifest.json"
 VLLM_STORAGE_DIR = "vllm"  # inside staging: same filesystem, so moves are atomic renames
 MAX_BACKOFF_S = 30.0
-# Deterministic failures (bad token ids, wrong key, prompt mismatch): retrying cannot help.
-NOT_RETRIED = (openai.BadRequestError, openai.AuthenticationError, InvalidResponseError)
+# The connector vLLM loads by name (draftsmith/hidden_states_connector.py); named here so
+# that this module does not import vLLM.
+CONNECTOR_MODULE = "draftsmith.hidden_states_connector"
+CONNECTOR_NAME = "CpuSafeHiddenStatesConnector"
+
+
+def not_retried() -> tuple[type[Exception], ...]:
+    """Deterministic failures (bad token ids, wrong key, prompt mismatch): retrying cannot help."""
+    from speculators.data_generation.vllm_client import InvalidResponseError
+
+    return (openai.BadRequestError, openai.AuthenticationError, InvalidResponseError)
 
 
 class ExtractionError(DraftsmithError):
@@ -241,8 +245,11 @@ async def _extract_one(
     shape: SampleShape,
     timeout_s: float,
 ) -> None:
-    # speculators' own client: the completions request with token ids, max_tokens=1 and
-    # the prompt-token check; retries are ours (below), so it gets max_retries=0.
+    # speculators' own client (imported while the server loaded): the completions request
+    # with token ids, max_tokens=1 and the prompt-token check; retries are ours (below),
+    # so it gets max_retries=0.
+    from speculators.data_generation.vllm_client import generate_hidden_states_async, wait_for_lock_async
+
     vllm_path, _ = await generate_hidden_states_async(
         client, endpoint.model, {"input_ids": token_ids}, timeout=timeout_s, max_retries=0
     )
@@ -282,7 +289,7 @@ async def extract_rows(
                 return None
             except Exception as error:  # request, lock, gate or filesystem
                 reason = f"{type(error).__name__}: {error}"
-                if number == attempts or isinstance(error, NOT_RETRIED):
+                if number == attempts or isinstance(error, not_retried()):
                     return reason
                 log(f"row {row}: attempt {number}/{attempts} failed ({reason}); retrying")
                 await asyncio.sleep(min(2.0**number, MAX_BACKOFF_S))
@@ -399,6 +406,7 @@ def run(
         spec = ServerSpec.from_config(
             settings, extra_args=extraction_server_args(plan, storage, shape.dtype)
         )
+        import_in_background(SPECULATORS_CLIENT)
         with managed_server(spec) as endpoint:
             result.failures = asyncio.run(
                 extract_rows(endpoint, rows, todo, staging, shape, settings["extraction"])

@@ -29,18 +29,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from speculators.cli.regenerate_responses import regenerate_conversation
 from transformers import AutoTokenizer
 
 from draftsmith.atomic import atomic_write_text
-from draftsmith.client import chat_poster, open_session
+from draftsmith.client import SPECULATORS_CLIENT, chat_poster, open_session
 from draftsmith.errors import DraftsmithError
 from draftsmith.progress import Progress, log
-from draftsmith.server import Endpoint, ServerSpec, managed_server
+from draftsmith.server import Endpoint, ServerSpec, import_in_background, managed_server
 from draftsmith.slot import check_gpu_slot
 from draftsmith.staging import open_staging
 
 RECORDS = "records.jsonl"
+SPECULATORS_GENERATION = "speculators.cli.regenerate_responses"  # imported while the server loads
 
 
 class GenerationError(DraftsmithError):
@@ -123,6 +123,8 @@ async def answer_questions(
     already_done: int,
     total: int,
 ) -> Tally:
+    from speculators.cli.regenerate_responses import regenerate_conversation
+
     tally = Tally()
     progress = Progress("generation", total, already_done=already_done)
     semaphore = asyncio.Semaphore(generation["concurrency"])
@@ -237,6 +239,7 @@ def run(settings: dict, questions_path: Path, staging: Path, output: Path, grant
         writer = RecordWriter(records_path)
         spec = ServerSpec.from_config(settings)
         started = time.monotonic()
+        import_in_background(SPECULATORS_GENERATION, SPECULATORS_CLIENT)
         try:
             with managed_server(spec, external=external_endpoint(settings)) as endpoint:
                 asked = asyncio.run(
