@@ -7,9 +7,10 @@ questions: the workflow (`snakemake --cores all --resources gpu=8`, every rule
 including preflight, plan and report) on the demo config with one shard per stage and
 no untrained baseline (so each tool runs once, as by hand), and bench/overhead_bare.sh
 (vLLM servers, the speculators CLI and curl in a plain script). Both run a snapshot of
-the code taken at the start, so editing the repository cannot change a running benchmark. Repetitions are
-interleaved, bare then workflow, then the other way round, because this machine is noisy. Goal: ratio <= 1.10.
-Writes bench/results/overhead.json.
+the code taken at the start, so editing the repository cannot change a running
+benchmark (bash reads a script while it runs it). Repetitions are interleaved, bare
+then workflow, then the other way round, because this machine is noisy.
+Goal: ratio <= 1.10. Writes bench/results/overhead.json.
 """
 
 from __future__ import annotations
