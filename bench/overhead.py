@@ -45,18 +45,15 @@ def bench_config(model: Path) -> dict:
     return config
 
 
-def snapshot(target: Path) -> Path:
-    target.mkdir()
-    for name in (*WORKFLOW_FILES, "bench"):
-        source = ROOT / name
-        (shutil.copytree if source.is_dir() else shutil.copy2)(source, target / name)
+def copy_files(names: tuple[str, ...], source: Path, target: Path) -> Path:
+    target.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        (shutil.copytree if (source / name).is_dir() else shutil.copy2)(source / name, target / name)
     return target
 
 
 def run_workflow(config: dict, code: Path, workdir: Path) -> float:
-    for name in WORKFLOW_FILES:
-        source = code / name
-        (shutil.copytree if source.is_dir() else shutil.copy2)(source, workdir / name)
+    copy_files(WORKFLOW_FILES, code, workdir)
     (workdir / "config/overhead.yaml").write_text(yaml.safe_dump(config))
     command = [sys.executable, "-m", "snakemake", "--configfile", "config/overhead.yaml",
                "--cores", "all", "--resources", "gpu=8"]  # fmt: skip
@@ -90,7 +87,7 @@ def main() -> None:
     shutil.rmtree(args.workdir, ignore_errors=True)
     args.workdir.mkdir(parents=True)
 
-    code = snapshot(args.workdir / "code")
+    code = copy_files((*WORKFLOW_FILES, "bench"), ROOT, args.workdir / "code")
     model = args.workdir / "demo_model"
     config = bench_config(model)
     build_demo_model(model, train_seconds=0, max_steps=config["target"]["demo_train_steps"], seed=0, eval_per_task=0)
@@ -104,7 +101,6 @@ def main() -> None:
         for side in order:
             place = args.workdir / f"{side}_{rep}"
             if side == "workflow":
-                place.mkdir()
                 times[side] = run_workflow(config, code, place)
                 accepted[side] = acceptance(place / "results/eval/acceptance.json")
             else:

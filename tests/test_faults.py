@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 from conftest import heavy_processes_after, server_settings
 from test_generate import GENERATION, assert_complete_and_well_formed, write_questions
@@ -14,18 +15,6 @@ from test_generate import GENERATION, assert_complete_and_well_formed, write_que
 from draftsmith import generate
 
 pytestmark = pytest.mark.vllm
-
-
-def descendants(pid: int) -> dict[int, str]:
-    """pid -> command line of every process below `pid`."""
-    rows = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout.splitlines()
-    table = [(int(p), int(pp), args) for p, pp, args in (row.split(None, 2) for row in rows if len(row.split(None, 2)) == 3)]
-    found, frontier = {}, {pid}
-    while frontier:
-        children = {p: a for p, pp, a in table if pp in frontier and p not in found}
-        found |= children
-        frontier = set(children)
-    return found
 
 
 def stage_command(settings, tmp_path):
@@ -47,10 +36,12 @@ def test_server_death_mid_stage_fails_within_seconds_and_a_rerun_resumes(demo_ta
             assert stage.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
             time.sleep(0.2)
         # What an out-of-memory kill does: the engine process dies, the stage lives on.
-        engines = [pid for pid, args in descendants(stage.pid).items() if "VLLM::EngineCore" in args]
-        assert engines, descendants(stage.pid)
+        below = psutil.Process(stage.pid).children(recursive=True)
+        engines = [p for p in below if "VLLM::EngineCore" in " ".join(p.cmdline())]
+        assert engines, [p.cmdline() for p in below]
         killed_at = time.monotonic()
-        subprocess.run(["kill", "-KILL", *map(str, engines)], check=True)
+        for engine in engines:
+            engine.kill()
         returncode = stage.wait(timeout=120)
     noticed_after = time.monotonic() - killed_at
 

@@ -32,10 +32,10 @@ from datasets import Dataset, load_from_disk
 from transformers import AutoConfig
 
 from draftsmith.atomic import publish_directory
+from draftsmith.client import SPECULATORS_CLIENT
 from draftsmith.errors import DraftsmithError
 from draftsmith.layers import LayerPlan, resolve_layers
 from draftsmith.progress import Progress, log
-from draftsmith.client import SPECULATORS_CLIENT
 from draftsmith.server import Endpoint, ServerSpec, import_in_background, managed_server
 from draftsmith.shard_gate import BadSample, check_sample, check_shard, sample_path
 from draftsmith.slot import check_gpu_slot

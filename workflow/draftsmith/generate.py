@@ -195,8 +195,8 @@ def overlong_prompts(settings: dict, questions: list[dict[str, Any]]) -> dict[st
     for a large target); the tokenizer tells the same in seconds. An external endpoint's
     context is not ours to know, so it is not checked."""
     limit = settings["server"].get("max_model_len")
-    if not limit or settings["generation"].get("endpoint"):
-        return {}
+    if not questions or not limit or settings["generation"].get("endpoint"):
+        return {}  # nothing to ask (a finished shard loads no tokenizer), or nothing to check
     tokenizer = AutoTokenizer.from_pretrained(
         settings["target"]["model"], trust_remote_code=settings["target"]["trust_remote_code"]
     )
