@@ -127,6 +127,44 @@ def test_broken_environment_fails_the_cli_in_under_ten_seconds(target, tmp_path)
     assert elapsed < 10, f"preflight took {elapsed:.1f}s"
 
 
+def test_install_stamp_skips_the_install_checks_only_on_the_same_install(target, tmp_path):
+    """A passed run records the install; the next skips those checks; a changed environment
+    (here a PYTHONPATH shim that removes a function) is checked again and fails."""
+    stamp = tmp_path / "install_checked"
+    command = [sys.executable, "-m", "draftsmith.preflight", "--settings", json.dumps(demo_settings(target)),
+               "--results", str(tmp_path / "results"), "--output", str(tmp_path / "ok.json"),
+               "--install-stamp", str(stamp)]  # fmt: skip
+    first = subprocess.run(command, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    recorded = stamp.read_text()
+    second = subprocess.run(command, capture_output=True, text=True)
+    assert second.returncode == 0, second.stderr
+    assert "install unchanged since its checks passed" in second.stderr
+    assert "not re-checked" not in first.stderr
+
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(
+        "import speculators.data_generation.offline as m\ndel m.check_hidden_states\n"
+    )
+    broken = subprocess.run(command, capture_output=True, text=True, env={**preflight.os.environ, "PYTHONPATH": str(shim)})
+    assert broken.returncode == 2 and "check_hidden_states" in broken.stderr
+    assert stamp.read_text() == recorded  # a failed check records nothing
+
+
+def test_install_fingerprint_follows_the_checked_module_files(monkeypatch, tmp_path):
+    package = tmp_path / "speculators" / "data_generation"
+    package.mkdir(parents=True)
+    (tmp_path / "speculators" / "__init__.py").write_text("")
+    offline = package / "offline.py"
+    offline.write_text("def check_hidden_states(): ...\n")
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    before = preflight.install_fingerprint()
+    assert preflight.install_fingerprint() == before
+    offline.write_text("# check_hidden_states was removed\n")
+    assert preflight.install_fingerprint() != before
+
+
 @pytest.mark.parametrize(
     ("visible", "slot", "message"),
     [

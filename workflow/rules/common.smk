@@ -85,6 +85,7 @@ def run_preflight():
 
     command = ["python", "-m", "draftsmith.preflight", "--settings", settings(*config)]
     command += ["--results", RESULTS, "--output", f"{STAGING}/preflight.json"]
+    command += ["--install-stamp", f"{STAGING}/install_checked"]
     if config["target"]["build_demo"] and not os.path.exists(config["target"]["model"]):
         command.append(
             "--skip-target"
