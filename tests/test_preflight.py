@@ -130,13 +130,14 @@ def test_broken_environment_fails_the_cli_in_under_ten_seconds(target, tmp_path)
 def test_install_stamp_skips_the_install_checks_only_on_the_same_install(target, tmp_path):
     """A passed run records the install; the next skips those checks; a changed environment
     (here a PYTHONPATH shim that removes a function) is checked again and fails."""
-    stamp = tmp_path / "install_checked"
+    cache = tmp_path / "install_checks"
     command = [sys.executable, "-m", "draftsmith.preflight", "--settings", json.dumps(demo_settings(target)),
                "--results", str(tmp_path / "results"), "--output", str(tmp_path / "ok.json"),
-               "--install-stamp", str(stamp)]  # fmt: skip
+               "--install-cache", str(cache)]  # fmt: skip
     first = subprocess.run(command, capture_output=True, text=True)
     assert first.returncode == 0, first.stderr
-    recorded = stamp.read_text()
+    markers = sorted(cache.iterdir())
+    assert len(markers) == 1
     second = subprocess.run(command, capture_output=True, text=True)
     assert second.returncode == 0, second.stderr
     assert "install unchanged since its checks passed" in second.stderr
@@ -149,7 +150,7 @@ def test_install_stamp_skips_the_install_checks_only_on_the_same_install(target,
     )
     broken = subprocess.run(command, capture_output=True, text=True, env={**preflight.os.environ, "PYTHONPATH": str(shim)})
     assert broken.returncode == 2 and "check_hidden_states" in broken.stderr
-    assert stamp.read_text() == recorded  # a failed check records nothing
+    assert sorted(cache.iterdir()) == markers  # a failed check records nothing
 
 
 def test_install_fingerprint_follows_the_checked_module_files(monkeypatch, tmp_path):

@@ -8,13 +8,14 @@ the GPUs, the disk the hidden states will need, writable outputs and a loopback
 port. Each problem is one line that says what to fix.
 
 The install checks import vLLM and speculators (about 7 s of a 2-core start), so a run
-that passed them records a fingerprint of the installed files (``--install-stamp``);
-later runs on an unchanged install skip them.
+that passed them leaves a marker named by a fingerprint of the install in a per-user
+cache (``--install-cache``); later runs on an unchanged install skip them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import importlib
@@ -183,16 +184,21 @@ def install_fingerprint() -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def check_install(stamp: Path | None = None) -> list[str]:
-    """The names, flags and options above; skipped when ``stamp`` holds this install's
-    fingerprint, written only after they all passed."""
-    fingerprint = install_fingerprint() if stamp else None
-    if stamp and stamp.is_file() and stamp.read_text().strip() == fingerprint:
-        print(f"preflight: install unchanged since its checks passed ({stamp}); not re-checked", file=sys.stderr)
+def default_install_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "draftsmith" / "install_checks"
+
+
+def check_install(cache: Path | None = None) -> list[str]:
+    """The names, flags and options above; skipped when ``cache`` holds this install's
+    marker, which is left only after they all passed."""
+    marker = cache / install_fingerprint() if cache else None
+    if marker and marker.is_file():
+        print(f"preflight: install unchanged since its checks passed ({marker}); not re-checked", file=sys.stderr)
         return []
     problems = check_required_names() + check_speculators_cli() + check_vllm_options()
-    if stamp and not problems:
-        atomic_write_text(stamp, fingerprint + "\n")
+    if marker and not problems:
+        with contextlib.suppress(OSError):  # a read-only home only costs the next run 7 s
+            atomic_write_text(marker, f"{sys.executable}\n")
     return problems
 
 
@@ -286,9 +292,9 @@ def run_checks(
     *,
     target: bool = True,
     gpus: bool = True,
-    install_stamp: Path | None = None,
+    install_cache: Path | None = None,
 ) -> list[str]:
-    problems = check_install(install_stamp)
+    problems = check_install(install_cache)
     problems += check_writable([results])
     problems += check_loopback_port()
     if gpus:
@@ -306,11 +312,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", type=Path, required=True)
     parser.add_argument("--skip-target", action="store_true", help="the target is not built yet")
     parser.add_argument("--skip-gpus", action="store_true", help="GPUs are on other (compute) nodes")
-    parser.add_argument("--install-stamp", type=Path, help="skip the install checks if it matches this install")
+    parser.add_argument("--install-cache", type=Path, help="where passed install checks are remembered")
     args = parser.parse_args(argv)
     settings = json.loads(args.settings)
     problems = run_checks(settings, args.results, target=not args.skip_target, gpus=not args.skip_gpus,
-                          install_stamp=args.install_stamp)  # fmt: skip
+                          install_cache=args.install_cache)  # fmt: skip
     for problem in problems:
         print(f"preflight: {problem}", file=sys.stderr)
     if problems:

@@ -80,12 +80,14 @@ def run_preflight():
     """Stop the run before any job if the environment or config cannot work."""
     import subprocess
 
+    from draftsmith.preflight import default_install_cache
+
     if set(workflow.dag_settings.targets) == {"plan"}:
         return  # planning runs where nothing heavy will: no GPUs, no disk needed
 
     command = ["python", "-m", "draftsmith.preflight", "--settings", settings(*config)]
     command += ["--results", RESULTS, "--output", f"{STAGING}/preflight.json"]
-    command += ["--install-stamp", f"{STAGING}/install_checked"]
+    command += ["--install-cache", str(default_install_cache())]
     if config["target"]["build_demo"] and not os.path.exists(config["target"]["model"]):
         command.append(
             "--skip-target"
