@@ -4,7 +4,8 @@ at the same concurrency, against the same vLLM server and prompts. Goal: >= 0.95
     .venv/bin/python bench/generation_client.py [--questions 400] [--concurrency 16] [--repeats 3]
 
 Needs the demo target (`make demo`). One server serves both clients; runs alternate
-(stage, plain, stage, plain, ...) so that the machine's noise hits both alike. The stage's
+(stage, plain, stage, plain, ...) so that the machine's noise hits both alike. On a CPU
+both run where the stage's client does: on the cores vLLM's engine is not bound to. The stage's
 client does everything it does in production (speculators' request logic, an fsynced
 record per answer, progress lines); the plain one only posts and reads the JSON.
 Writes bench/results/generation_client.json.
@@ -62,6 +63,8 @@ def main() -> None:
     rates: dict[str, list[float]] = {"stage": [], "plain": []}
     with managed_server(ServerSpec.from_config(config)) as endpoint, tempfile.TemporaryDirectory() as scratch:
         asyncio.run(plain_load(endpoint, questions[:32], generation))  # warm-up
+        # The stage imports speculators while its server loads; here too, not in the timing.
+        import speculators.cli.regenerate_responses  # noqa: F401
         for repeat in range(args.repeats):
             writer = RecordWriter(Path(scratch) / f"records_{repeat}.jsonl")
             started = time.perf_counter()

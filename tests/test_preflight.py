@@ -154,16 +154,21 @@ def test_install_stamp_skips_the_install_checks_only_on_the_same_install(target,
 
 
 def test_install_fingerprint_follows_the_checked_module_files(monkeypatch, tmp_path):
+    installed = preflight.install_fingerprint()
+    # Another working directory (it is on sys.path under `python -m`) is the same install.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    assert preflight.install_fingerprint() == installed
+
     package = tmp_path / "speculators" / "data_generation"
     package.mkdir(parents=True)
     (tmp_path / "speculators" / "__init__.py").write_text("")
     offline = package / "offline.py"
     offline.write_text("def check_hidden_states(): ...\n")
-    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
-    before = preflight.install_fingerprint()
-    assert preflight.install_fingerprint() == before
+    shadowed = preflight.install_fingerprint()
+    assert shadowed != installed  # a speculators found elsewhere is another install
     offline.write_text("# check_hidden_states was removed\n")
-    assert preflight.install_fingerprint() != before
+    assert preflight.install_fingerprint() != shadowed
 
 
 @pytest.mark.parametrize(

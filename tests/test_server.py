@@ -1,6 +1,7 @@
 """Managed vLLM server lifecycle with the real vLLM CPU build."""
 
 import json
+import os
 import shutil
 import socket
 import time
@@ -35,9 +36,32 @@ def status_of(url: str, headers: dict | None = None) -> int:
         return error.code
 
 
-def test_serves_on_loopback_behind_its_key_and_leaves_nothing(demo_target, tmp_path):
+def thread_affinities(process: psutil.Process) -> list[set[int]]:
+    return [os.sched_getaffinity(thread.id) for thread in process.threads()]
+
+
+def assert_engine_cores_kept_free(processes: list[psutil.Process], allowed: set[int]) -> None:
+    """vLLM binds its worker's threads; the API server and this (client) process must run
+    on the other cores, the engine-core process on the bound ones."""
+    workers = [p for p in processes if p.name() == "VLLM::Worker"]
+    assert workers and all(any(cores < allowed for cores in thread_affinities(p)) for p in workers)
+    bound = set().union(*(cores for p in workers for cores in thread_affinities(p) if cores < allowed))
+    if bound == allowed:
+        pytest.skip("vLLM bound every core; nothing is left for the frontend")
+    frontend = allowed - bound
+    api_server = next(p for p in processes if "--port" in p.cmdline())
+    assert all(cores == frontend for cores in thread_affinities(api_server))
+    assert all(cores == frontend for cores in thread_affinities(psutil.Process()))
+    engine_core = next(p for p in processes if p.name() == "VLLM::EngineCore")
+    assert all(cores == bound for cores in thread_affinities(engine_core))
+
+
+def test_serves_on_loopback_behind_its_key_keeps_engine_cores_free_and_leaves_nothing(demo_target, tmp_path):
     spec = ServerSpec.from_config(server_settings(demo_target))
     log_path = tmp_path / "server.log"
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("placement needs at least 2 cores")
     with managed_server(spec, log_path) as endpoint:
         assert endpoint.base_url.startswith("http://127.0.0.1:")
         port = int(endpoint.base_url.rsplit(":", 1)[1].split("/")[0])
@@ -49,6 +73,8 @@ def test_serves_on_loopback_behind_its_key_and_leaves_nothing(demo_target, tmp_p
         # Not reachable on another interface: the server binds loopback only.
         listening = {c.laddr.ip for p in processes for c in p.net_connections() if c.status == "LISTEN"}
         assert listening == {"127.0.0.1"}
+        assert_engine_cores_kept_free(processes, allowed)
+    assert os.sched_getaffinity(0) == allowed  # this process gets its cores back
     gone, alive = psutil.wait_procs(processes, timeout=10)
     assert alive == []
     assert endpoint.api_key not in log_path.read_text()

@@ -25,6 +25,7 @@ import errno
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,12 @@ class RecordWriter:
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
         self._handle = path.open("ab", buffering=0)
+        # The stage's appends run here, one at a time and in order: an fsync takes ~0.35 ms,
+        # and on the event loop it held up every request (about 8% of the request rate).
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="records")
+
+    async def append(self, record: dict[str, Any]) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._thread, self.write, record)
 
     def write(self, record: dict[str, Any]) -> None:
         line = (json.dumps(record) + "\n").encode()
@@ -111,6 +118,7 @@ class RecordWriter:
             raise
 
     def close(self) -> None:
+        self._thread.shutdown()
         self._handle.close()
 
 
@@ -152,7 +160,7 @@ async def answer_questions(
                     progress.advance(errors=1)
                     return
             record = record_from_sample(question["id"], samples[0])
-            writer.write(record)
+            await writer.append(record)
             tally.errors.pop(question["id"], None)
             truncated = record["finish_reason"] == "length"
             tally.ok += 1

@@ -159,6 +159,9 @@ def _module_file_stamp(module: str) -> str:
     (``import speculators`` is the slow part) and answers from sys.modules."""
     top, *rest = module.split(".")
     spec = importlib.machinery.PathFinder.find_spec(top, sys.path)
+    if spec is not None and not rest and spec.origin and not spec.submodule_search_locations:
+        stat = os.stat(spec.origin)  # a plain module (sitecustomize.py)
+        return f"{spec.origin}:{stat.st_mtime_ns}:{stat.st_size}"
     if spec is None or not spec.submodule_search_locations:
         return "missing"
     for base in spec.submodule_search_locations:
@@ -171,9 +174,12 @@ def _module_file_stamp(module: str) -> str:
 
 
 def install_fingerprint() -> str:
-    """What the install checks depend on: interpreter, search path (PYTHONPATH included),
-    the libraries' versions, the files of every checked module and what is checked."""
-    parts = [sys.executable, sys.version, *sys.path]
+    """What the install checks depend on: the interpreter, PYTHONPATH, the libraries'
+    versions, the file each checked module (and any sitecustomize) is found in, and what
+    is checked. Not sys.path itself: it holds the working directory, which differs from
+    run to run; a module found there instead shows up in its file's path."""
+    parts = [sys.executable, sys.version, f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}"]
+    parts += [f"{hook}:{_module_file_stamp(hook)}" for hook in ("sitecustomize", "usercustomize")]
     for name in FINGERPRINTED_DISTRIBUTIONS:
         try:
             parts.append(f"{name}=={metadata.version(name)}")

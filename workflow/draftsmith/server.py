@@ -27,6 +27,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from draftsmith.cpu_placement import engine_cores_kept_free
 from draftsmith.errors import DraftsmithError
 from draftsmith.guard import guarded, stop_process_group, uncapped_environment
 from draftsmith.progress import log, stderr_file
@@ -69,6 +70,8 @@ class ServerSpec:
     startup_timeout_s: float = 1800.0
     extra_args: Sequence[str] = ()
     env: dict[str, str] = field(default_factory=dict)
+    # On a CPU device the engine's bound cores are kept for the engine (cpu_placement).
+    cpu_device: bool = False
 
     @classmethod
     def from_config(cls, config: dict, *, extra_args: Sequence[str] = ()) -> ServerSpec:
@@ -82,6 +85,7 @@ class ServerSpec:
             startup_timeout_s=server["startup_timeout_s"],
             extra_args=[*server["extra_args"], *extra_args],
             env={k: str(v) for k, v in server["env"].items()},
+            cpu_device=config.get("device") == "cpu",
         )
 
     def command(self, port: int) -> list[str]:
@@ -231,9 +235,11 @@ def managed_server(
         )
     try:
         wait_until_healthy(process, endpoint, tail_path, spec.startup_timeout_s)
+        placement = engine_cores_kept_free(process.pid) if spec.cpu_device else contextlib.nullcontext()
         watch = DeathWatch(process)
         try:
-            yield endpoint
+            with placement:
+                yield endpoint
         except KeyboardInterrupt:
             if not watch.died:
                 raise
