@@ -56,7 +56,10 @@ def assert_engine_cores_kept_free(processes: list[psutil.Process], allowed: set[
     assert all(cores == bound for cores in thread_affinities(engine_core))
 
 
-def test_serves_on_loopback_behind_its_key_keeps_engine_cores_free_and_leaves_nothing(demo_target, tmp_path):
+def test_serves_on_loopback_behind_its_key_keeps_engine_cores_free_and_leaves_nothing(
+    demo_target, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what Snakemake exports to every job
     spec = ServerSpec.from_config(server_settings(demo_target))
     log_path = tmp_path / "server.log"
     allowed = os.sched_getaffinity(0)
@@ -74,6 +77,8 @@ def test_serves_on_loopback_behind_its_key_keeps_engine_cores_free_and_leaves_no
         listening = {c.laddr.ip for p in processes for c in p.net_connections() if c.status == "LISTEN"}
         assert listening == {"127.0.0.1"}
         assert_engine_cores_kept_free(processes, allowed)
+        api_server = next(p for p in processes if "--port" in p.cmdline())
+        assert "OMP_NUM_THREADS" not in api_server.environ()  # vLLM sizes its own threads
     assert os.sched_getaffinity(0) == allowed  # this process gets its cores back
     gone, alive = psutil.wait_procs(processes, timeout=10)
     assert alive == []
