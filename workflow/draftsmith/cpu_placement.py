@@ -73,7 +73,8 @@ def engine_cores_kept_free(server_pid: int) -> Iterator[None]:
     bound = engine_cores(processes, allowed)
     frontend = allowed - bound
     if not bound or not frontend:
-        yield  # nothing is bound, or everything is: nothing to keep apart
+        log(f"CPU placement: vLLM's engine is bound to {'every' if bound else 'no'} core; left as it is")
+        yield
         return
     for process in processes:
         if any(cores < allowed for cores in _affinities(process)):
