@@ -25,10 +25,10 @@ def server_tree():
     while not process.children():
         assert time.monotonic() < deadline, "the stand-in worker did not start"
         time.sleep(0.01)
-    yield process, process.children()[0]
+    worker = process.children()[0]
+    yield process, worker
+    worker.kill()
     parent.kill()
-    for child in process.children():
-        child.kill()
     parent.wait()
 
 
