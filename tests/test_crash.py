@@ -31,8 +31,8 @@ def records(workdir: Path) -> int:
     return sum(len(p.read_text().splitlines()) for p in workdir.glob("results/.staging/completions/*/records.jsonl"))
 
 
-def run_until(workdir: Path, condition, timeout: float = 900) -> None:
-    """Start the workflow and SIGKILL its whole process group once `condition()` holds."""
+def run_until(workdir: Path, condition, timeout: float = 900, stop: int = signal.SIGKILL) -> None:
+    """Start the workflow and send `stop` to its whole process group once `condition()` holds."""
     process = subprocess.Popen(RUN, cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)  # fmt: skip
     deadline = time.monotonic() + timeout
@@ -40,24 +40,27 @@ def run_until(workdir: Path, condition, timeout: float = 900) -> None:
         assert process.poll() is None, "the workflow ended before the kill point"
         assert time.monotonic() < deadline, "kill point not reached"
         time.sleep(0.2)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    os.killpg(process.pid, stop)
+    process.wait(timeout=120)
     # Each server's and trainer's guard stops its whole group when its stage dies.
     assert heavy_processes_after(20) == []
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("crash")
+def small_workflow(workdir: Path, questions: int) -> Path:
     copy_workflow(workdir)
     config = yaml.safe_load((workdir / "config/config.yaml").read_text())
-    # Small and quick: the test is about resuming, not about the drafter's quality.
-    config["questions"].update(limit=400, heldout=20)
+    # Small and quick: the tests are about resuming, not about the drafter's quality.
+    config["questions"].update(limit=questions, heldout=20)
     config["training"]["epochs"] = 6
     config["evaluation"]["compare_untrained"] = False
     config["target"]["demo_train_steps"] = 150
     (workdir / "config/config.yaml").write_text(yaml.safe_dump(config))
     return workdir
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return small_workflow(tmp_path_factory.mktemp("crash"), questions=400)
 
 
 def rerun_after_kill(workdir: Path) -> None:
@@ -119,3 +122,18 @@ def test_kill_anywhere_then_rerun_completes_without_redoing_work(workdir, tmp_pa
     train_log = (workdir / "results/logs/train.log").read_text()
     assert epochs_before >= 2 and "Resuming training on epoch" in train_log
     assert json.loads((workdir / "results/eval/acceptance.json").read_text())["acceptance_length"] > 1.0
+
+
+def test_ctrl_c_stops_jobs_and_servers_and_the_same_command_resumes(tmp_path):
+    """Ctrl-C in a terminal: SIGINT to the whole foreground group. Each stage stops its own
+    server (in its own session, so the terminal's SIGINT does not reach it); Snakemake
+    exits and releases its lock; the same command asks only for the questions not answered."""
+    workdir = small_workflow(tmp_path / "ctrl_c", questions=240)
+    run_until(workdir, lambda: records(workdir) >= 30, stop=signal.SIGINT)  # asserts nothing is left
+    answered_before = records(workdir)
+    targets = [f"results/completions/shard_{shard}.jsonl" for shard in (0, 1)]
+    rerun = subprocess.run([sys.executable, "-m", "snakemake", *targets, *RUN[3:]], cwd=workdir,
+                           capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    summaries = [json.loads(p.read_text()) for p in workdir.glob("results/.staging/completions/*/summary.json")]
+    assert sum(s["asked_this_run"] for s in summaries) == sum(s["questions"] for s in summaries) - answered_before
