@@ -13,22 +13,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import psutil
-import yaml
-from generation_client import plain_load
+from generation_client import demo_config, demo_questions, plain_load
 from results_file import write_result
-from snakemake.utils import validate
 
 from draftsmith.cpu_placement import engine_cores_kept_free
 from draftsmith.server import ServerSpec, managed_server
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def float_everything(allowed: set[int]) -> None:
@@ -48,13 +42,9 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=400)
     parser.add_argument("--repeats", type=int, default=6)
     args = parser.parse_args()
-    config = yaml.safe_load((ROOT / "config/config.yaml").read_text())
-    validate(config, str(ROOT / "workflow/schemas/config.schema.yaml"))
-    config["target"]["model"] = str(ROOT / config["target"]["model"])
+    config = demo_config()
     generation = config["generation"] | {"sampling": {"temperature": 0.0}}
-    rows = [json.loads(line) for line in (ROOT / "config/demo_questions.jsonl").read_text().splitlines()]
-    questions = [{"id": f"b{i}", "messages": r["messages"]} for i, r in enumerate(rows) if "messages" in r]
-    questions = questions[: args.questions]
+    questions = demo_questions(args.questions)
     allowed = os.sched_getaffinity(0)
 
     rates: dict[str, list[float]] = {"floating": [], "placed": []}

@@ -46,19 +46,30 @@ async def plain_load(endpoint, questions, generation) -> int:
     return len(questions)
 
 
+def demo_config() -> dict:
+    """The demo config with defaults filled in, its target path absolute."""
+    config = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    validate(config, str(ROOT / "workflow/schemas/config.schema.yaml"))
+    config["target"]["model"] = str(ROOT / config["target"]["model"])
+    return config
+
+
+def demo_questions(limit: int) -> list[dict]:
+    """The first ``limit`` usable questions of the demo's file, with ids."""
+    rows = [json.loads(line) for line in (ROOT / "config/demo_questions.jsonl").read_text().splitlines()]
+    questions = [{"id": f"b{i}", "messages": r["messages"]} for i, r in enumerate(rows) if "messages" in r]
+    return questions[:limit]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--questions", type=int, default=400)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    config = yaml.safe_load((ROOT / "config/config.yaml").read_text())
-    validate(config, str(ROOT / "workflow/schemas/config.schema.yaml"))
-    config["target"]["model"] = str(ROOT / config["target"]["model"])
+    config = demo_config()
     generation = config["generation"] | {"concurrency": args.concurrency, "sampling": {"temperature": 0.0}}
-    rows = [json.loads(line) for line in (ROOT / "config/demo_questions.jsonl").read_text().splitlines()]
-    questions = [{"id": f"b{i}", "messages": r["messages"]} for i, r in enumerate(rows) if "messages" in r]
-    questions = questions[: args.questions]
+    questions = demo_questions(args.questions)
 
     rates: dict[str, list[float]] = {"stage": [], "plain": []}
     with managed_server(ServerSpec.from_config(config)) as endpoint, tempfile.TemporaryDirectory() as scratch:

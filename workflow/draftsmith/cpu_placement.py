@@ -31,12 +31,15 @@ def _thread_ids(process: psutil.Process) -> list[int]:
     return []
 
 
-def _affinities(process: psutil.Process) -> list[set[int]]:
-    found = []
+def _bound_cores(process: psutil.Process, allowed: set[int]) -> set[int]:
+    """The cores of those of its threads bound to fewer than ``allowed``."""
+    bound: set[int] = set()
     for thread in _thread_ids(process):
-        with contextlib.suppress(OSError):
-            found.append(os.sched_getaffinity(thread))
-    return found
+        with contextlib.suppress(OSError):  # the thread may have exited meanwhile
+            cores = os.sched_getaffinity(thread)
+            if cores < allowed:
+                bound |= cores
+    return bound
 
 
 def _pin(threads: Iterable[int], cores: set[int]) -> None:
@@ -51,14 +54,6 @@ def _name(process: psutil.Process) -> str:
     return ""
 
 
-def engine_cores(processes: Iterable[psutil.Process], allowed: set[int]) -> set[int]:
-    """Cores some server thread is bound to (an affinity narrower than ``allowed``)."""
-    bound: set[int] = set()
-    for process in processes:
-        bound |= set().union(*(cores for cores in _affinities(process) if cores < allowed))
-    return bound
-
-
 @contextlib.contextmanager
 def engine_cores_kept_free(server_pid: int) -> Iterator[None]:
     """Inside the block: the server's frontend processes and this process run on the cores
@@ -70,19 +65,19 @@ def engine_cores_kept_free(server_pid: int) -> Iterator[None]:
         processes = [root, *root.children(recursive=True)]
     except psutil.Error:
         processes = []
-    bound = engine_cores(processes, allowed)
+    # Per process, the cores its bound threads use: empty except for vLLM's workers.
+    bound_by = {process: _bound_cores(process, allowed) for process in processes}
+    bound = set().union(*bound_by.values())
     frontend = allowed - bound
     if not bound or not frontend:
         log(f"CPU placement: vLLM's engine is bound to {'every' if bound else 'no'} core; left as it is")
         yield
         return
-    for process in processes:
-        if any(cores < allowed for cores in _affinities(process)):
-            continue  # a worker: vLLM placed its threads itself
-        engine = _name(process).startswith(ENGINE_PROCESS_PREFIX)
-        _pin(_thread_ids(process), bound if engine else frontend)
-    own_threads = _thread_ids(psutil.Process())
-    _pin(own_threads, frontend)
+    for process, own_bound in bound_by.items():
+        if not own_bound:
+            engine = _name(process).startswith(ENGINE_PROCESS_PREFIX)
+            _pin(_thread_ids(process), bound if engine else frontend)
+    _pin(_thread_ids(psutil.Process()), frontend)
     log(f"CPU placement: vLLM's engine on cores {sorted(bound)}, its API server and this "
         f"job's client on {sorted(frontend)}")  # fmt: skip
     try:

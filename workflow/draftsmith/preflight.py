@@ -160,17 +160,20 @@ def _module_file_stamp(module: str) -> str:
     top, *rest = module.split(".")
     spec = importlib.machinery.PathFinder.find_spec(top, sys.path)
     if spec is not None and not rest and spec.origin and not spec.submodule_search_locations:
-        stat = os.stat(spec.origin)  # a plain module (sitecustomize.py)
-        return f"{spec.origin}:{stat.st_mtime_ns}:{stat.st_size}"
+        return _file_stamp(Path(spec.origin))  # a plain module (sitecustomize.py)
     if spec is None or not spec.submodule_search_locations:
         return "missing"
     for base in spec.submodule_search_locations:
         package = Path(base, *rest)
         for candidate in (package / "__init__.py", package.with_name(package.name + ".py")):
             if candidate.is_file():
-                stat = candidate.stat()
-                return f"{candidate}:{stat.st_mtime_ns}:{stat.st_size}"
+                return _file_stamp(candidate)
     return "missing"
+
+
+def _file_stamp(path: Path) -> str:
+    stat = path.stat()
+    return f"{path}:{stat.st_mtime_ns}:{stat.st_size}"
 
 
 def install_fingerprint() -> str:
