@@ -38,8 +38,10 @@ include: "workflow/rules/plan.smk"
 include: "workflow/rules/report.smk"
 
 
-# Seconds of checks before any server starts or weights load (not on dry runs).
+# The config for this run's jobs, then seconds of checks before any server starts or
+# weights load (not on dry runs).
 onstart:
+    write_run_config()
     run_preflight()
 
 

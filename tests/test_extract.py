@@ -26,7 +26,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from conftest import VLLM_ENV, server_settings
 from draftsmith import extract
 from draftsmith.extract import ExtractionError, check_settings, serving_dtype, shard_range
-from draftsmith.shard_gate import sample_path
+from draftsmith.layout import hidden_state_file
+from draftsmith.settings import item_settings
 from draftsmith.staging import open_staging
 
 NUM_LAYERS = 5
@@ -133,7 +134,7 @@ def assert_parity(model_path: Path, output: Path) -> tuple[float, float]:
     """Every stored layer of every row matches HF; returns (worst relative, worst absolute)."""
     worst_rel = worst_abs = 0.0
     for row, token_ids in enumerate(tiny_rows()):
-        stored = load_file(sample_path(output, row))
+        stored = load_file(hidden_state_file(output, row))
         assert stored["token_ids"].tolist() == token_ids
         hf = hf_states(model_path, token_ids)
         for index, layer in enumerate(CONFIG_LAYERS):
@@ -193,11 +194,11 @@ def test_resume_requests_only_missing_rows(
     rows = range(len(tiny_rows()))
     staging = tmp_path / "staging"
     settings = settings_for(tiny_model)
-    open_staging(staging, extract.staged_file_shaping(settings, extract.target_shape(settings)[0]))
+    open_staging(staging, item_settings(settings, "extract"))
     kept = [row for row in rows if row % 2 == 0]
     for row in kept:
-        shutil.copy(sample_path(first_output, row), sample_path(staging, row))
-    corrupt = sample_path(staging, kept[-1])
+        shutil.copy(hidden_state_file(first_output, row), hidden_state_file(staging, row))
+    corrupt = hidden_state_file(staging, kept[-1])
     corrupt.write_bytes(corrupt.read_bytes()[:-64])
 
     result = extract.run(settings, dataset_dir, 0, 1, staging, tmp_path / "out")
@@ -206,9 +207,10 @@ def test_resume_requests_only_missing_rows(
     assert result.requested == sorted([row for row in rows if row not in kept] + [kept[-1]])
     assert "resume: 5 of 11 rows already staged and valid, 6 to request" in capfd.readouterr().err
     for row in rows:
-        again, first = (load_file(sample_path(d, row)) for d in (tmp_path / "out", first_output))
+        again, first = (load_file(hidden_state_file(d, row)) for d in (tmp_path / "out", first_output))
         assert torch.equal(again["hidden_states"], first["hidden_states"]), f"row {row}"
-    assert not any(staging.glob("hs_*"))
+    for row in rows:  # published as hard links: the staged copy survives a forced rerun
+        assert hidden_state_file(staging, row).samefile(hidden_state_file(tmp_path / "out", row))
 
 
 @pytest.mark.vllm
@@ -219,12 +221,13 @@ def test_interrupted_publish_is_recovered_without_server(
     _, first_output = extracted_tp1
     staging, output = tmp_path / "staging", tmp_path / "out"
     settings = settings_for(tiny_model)
-    open_staging(staging, extract.staged_file_shaping(settings, extract.target_shape(settings)[0]))
+    open_staging(staging, item_settings(settings, "extract"))
     shutil.copytree(first_output, staging, dirs_exist_ok=True)
     extract.publishing_dir(output).mkdir()
     for row in range(4):
-        sample_path(staging, row).rename(sample_path(extract.publishing_dir(output), row))
-    settings["server"]["extra_args"] = ["--no-such-flag"]  # a server start would fail
+        hidden_state_file(staging, row).rename(hidden_state_file(extract.publishing_dir(output), row))
+    # A server start would fail (an operational flag: the staged files stay valid).
+    settings["server"]["extra_args"] = [*settings["server"]["extra_args"], "--max-num-seqs", "x"]
     result = extract.run(settings, dataset_dir, 0, 1, staging, output)
     assert result.requested == [] and result.skipped == len(tiny_rows())
     assert len(list(output.glob("hs_*"))) == len(tiny_rows())
@@ -280,3 +283,22 @@ def test_the_connector_named_to_vllm_is_ours() -> None:
 
     assert extract.CONNECTOR_MODULE == hidden_states_connector.__name__
     assert extract.CONNECTOR_NAME == hidden_states_connector.CONNECTOR_NAME
+
+
+def test_resharded_rows_are_linked_from_the_old_shards_made_the_same_way(tmp_path: Path) -> None:
+    """After extraction.shards changes, rows staged by the old shards are taken over as
+    hard links (no bytes copied, nothing requested), but only from staging made under
+    the same settings."""
+    from datasets import Dataset
+
+    rows = extract.ShardRows(Dataset.from_dict({"input_ids": [[1, 2]] * 6}), range(2, 5))
+    old, other, mine = (tmp_path / f"shard_{i}" for i in range(3))
+    open_staging(old, {"layers": [1, 2]})
+    open_staging(other, {"layers": [1, 3]})
+    open_staging(mine, {"layers": [1, 2]})
+    for staging, row in ((old, 2), (old, 3), (other, 4)):
+        hidden_state_file(staging, row).write_bytes(b"states")
+    assert extract.adopt_from_other_shards(mine, rows) == 2
+    assert hidden_state_file(mine, 2).samefile(hidden_state_file(old, 2))
+    assert hidden_state_file(mine, 3).samefile(hidden_state_file(old, 3))
+    assert not hidden_state_file(mine, 4).exists()

@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 
 from draftsmith import generate
 from draftsmith.demo_model import question_rows
+from draftsmith.settings import item_settings
 
 GENERATION = {
     "concurrency": 4, "max_tokens": 48, "sampling": {"temperature": 0.0},
@@ -125,16 +126,36 @@ def test_gpu_slot_smaller_than_tp_is_refused_before_any_work(tmp_path):
 def test_staged_answers_are_dropped_when_a_generation_setting_changes(tmp_path):
     staging = tmp_path / "staging"
     settings = server_settings(tmp_path) | {"generation": GENERATION}
-    generate.open_staging(staging, generate.answer_shaping_settings(settings))
+    generate.open_staging(staging, item_settings(settings, "generate"))
     (staging / generate.RECORDS).write_text('{"id": "a", "input_ids": [1], "loss_mask": [1]}\n')
 
     same = settings | {"generation": GENERATION | {"concurrency": 99, "max_retries": 7}}
-    generate.open_staging(staging, generate.answer_shaping_settings(same))
+    generate.open_staging(staging, item_settings(same, "generate"))
     assert list(generate.load_records(staging / generate.RECORDS)) == ["a"]
 
     changed = settings | {"generation": GENERATION | {"max_tokens": 12}}
-    generate.open_staging(staging, generate.answer_shaping_settings(changed))
+    generate.open_staging(staging, item_settings(changed, "generate"))
     assert generate.load_records(staging / generate.RECORDS) == {}
+
+
+def test_resharded_questions_take_their_answers_from_the_old_shards(tmp_path, capfd):
+    """After questions.shards changes, a shard's questions were answered under another
+    shard's staging: those made under the same settings are reused, not asked again (no
+    server starts here: none could, the model does not exist)."""
+    questions = write_questions(tmp_path / "q.jsonl", 4)
+    settings = server_settings(tmp_path / "no-model") | {"generation": GENERATION}
+    changed = settings | {"generation": GENERATION | {"max_tokens": 12}}
+    for shard, made_with, token in ((1, settings, 7), (2, changed, 9)):
+        staging = generate.open_staging(tmp_path / "staging" / f"shard_{shard}", item_settings(made_with, "generate"))
+        (staging / generate.RECORDS).write_text("".join(
+            json.dumps({"id": q["id"], "input_ids": [1, token, token], "loss_mask": [0, 1, 1],
+                        "finish_reason": "stop", "completion_tokens": 2, "prompt_tokens": 1}) + "\n"
+            for q in questions))  # fmt: skip
+    generate.run(settings, tmp_path / "q.jsonl", tmp_path / "staging" / "shard_0", tmp_path / "out.jsonl", None)
+    assert "reused 4 answers staged by other shards" in capfd.readouterr().err
+    published = read_jsonl(tmp_path / "out.jsonl")
+    assert [r["id"] for r in published] == [q["id"] for q in questions]
+    assert all(r["input_ids"] == [1, 7, 7] for r in published)  # not the other settings' answers
 
 
 def long_question(words: int) -> dict:

@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.shard_gate import BadSample, check_sample, check_shard, sample_path
+from draftsmith.layout import hidden_state_file
+from draftsmith.shard_gate import BadSample, check_sample, check_shard
 
 LAYERS, HIDDEN, DTYPE = 4, 64, torch.bfloat16
 TOKENS = [5, 9, 2, 7, 7, 3]
@@ -132,10 +133,10 @@ def test_rejects_truncated_and_missing_files(tmp_path: Path) -> None:
 def test_check_shard_names_count_and_files(tmp_path: Path) -> None:
     rows = {row: TOKENS for row in range(4)}
     for row in (0, 1, 3):
-        write(sample_path(tmp_path, row), good_tensors())
+        write(hidden_state_file(tmp_path, row), good_tensors())
     bad = good_tensors()
     bad["hidden_states"][:, 0, :] = 0
-    write(sample_path(tmp_path, 3), bad)
+    write(hidden_state_file(tmp_path, 3), bad)
     with pytest.raises(BadSample) as caught:
         check_shard(tmp_path, rows, LAYERS, HIDDEN, DTYPE)
     message = str(caught.value)

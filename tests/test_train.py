@@ -2,6 +2,7 @@
 
 import json
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import heavy_processes_after
-from datasets import load_from_disk
+from datasets import Dataset, load_from_disk
 from safetensors.torch import save_file
 from transformers import AutoConfig
 
@@ -86,12 +87,11 @@ def settings(target: Path, **training) -> dict:
         "server": {"tensor_parallel_size": 1, "data_parallel_size": 1},
         "training": {"epochs": 2, "lr": 1e-3, "draft_vocab_size": 100, "total_seq_len": 128,
                      "num_layers": 1, "seed": 0, "stall_timeout_s": 600, "extra_args": [], **training},
-        "evaluation": {"num_speculative_tokens": 3},
     }
 
 
 def stage_paths(root: Path, dataset: Path, hidden_states: Path) -> TrainPaths:
-    return TrainPaths(dataset, hidden_states, root / "staging", root / "drafter", root / "spec.json")
+    return TrainPaths(dataset, hidden_states, root / "staging", root / "drafter")
 
 
 def test_trains_on_cpu_and_publishes_drafter(target, dataset, hidden_states, tmp_path):
@@ -104,8 +104,6 @@ def test_trains_on_cpu_and_publishes_drafter(target, dataset, hidden_states, tmp
     assert config["speculators_model_type"] == "eagle3"
     assert config["eagle_aux_hidden_state_layer_ids"] == AUX_VLLM_IDS
     assert config["draft_vocab_size"] == 100
-    assert json.loads(paths.spec_config.read_text()) == {
-        "model": str(paths.output.resolve()), "method": "eagle3", "num_speculative_tokens": 3}
     metrics = json.loads((paths.output / "training_metrics.json").read_text())
     assert [e["epoch"] for e in metrics["epochs"]] == [0, 1]
     assert metrics["published_epoch"] in (0, 1)
@@ -161,10 +159,15 @@ def test_changed_arguments_or_unfinished_epoch_drop_checkpoints(target, dataset,
     drop_unfinished_epoch(paths.checkpoints)  # epoch 1 lacks the state file written last
     assert sorted(p.name for p in paths.checkpoints.iterdir()) == ["0"]
 
-    reset_if_changed(paths, speculators_args(settings(target), plan, paths), epochs=2)
-    reset_if_changed(paths, speculators_args(settings(target, epochs=5), plan, paths), epochs=5)
+    software = {"speculators": "0.9.0"}
+    reset_if_changed(paths, speculators_args(settings(target), plan, paths), 2, software)
+    reset_if_changed(paths, speculators_args(settings(target, epochs=5), plan, paths), 5, software)
     assert (paths.checkpoints / "0").is_dir()  # more epochs continue
-    reset_if_changed(paths, speculators_args(settings(target, lr=0.1), plan, paths), epochs=5)
+    reset_if_changed(paths, speculators_args(settings(target, epochs=5), plan, paths), 5,
+                     {"speculators": "0.10.0"})  # fmt: skip
+    assert not paths.checkpoints.exists()  # an upgraded trainer starts afresh
+    (paths.checkpoints / "0").mkdir(parents=True)
+    reset_if_changed(paths, speculators_args(settings(target, lr=0.1), plan, paths), 5, software)
     assert not paths.checkpoints.exists()
 
 
@@ -200,24 +203,42 @@ def test_cpu_adaptations_leave_an_accelerator_machine_alone(monkeypatch):
     assert cli.Trainer is trainer_class
 
 
-def test_checkpoints_survive_speculators_caches_but_not_new_data(tmp_path):
-    """Resume only on the same inputs: speculators' own cache files in the dataset directory
-    do not count as new data; a regenerated hidden-state file does."""
-    from draftsmith.train import TrainPaths, inputs_fingerprint
+def published_copy(dataset: Path, hidden_states: Path, root: Path, items: str) -> TrainPaths:
+    """The inputs as the workflow republishes them: new files (new times), a shard with its
+    manifest, and a training view of links into it."""
+    shutil.copytree(dataset, root / "dataset")
+    shard = root / "shard_0"
+    shutil.copytree(hidden_states, shard)
+    (shard / "manifest.json").write_text(json.dumps({"items_fingerprint": items}))
+    (root / "view").mkdir()
+    for path in shard.glob("hs_*.safetensors"):
+        (root / "view" / path.name).symlink_to(path)
+    return TrainPaths(root / "dataset", root / "view", root / "staging", root / "out")
 
-    dataset, hidden = tmp_path / "dataset", tmp_path / "hs"
-    dataset.mkdir()
-    hidden.mkdir()
-    for name in ("data-00000-of-00001.arrow", "state.json", "token_freq.pt"):
-        (dataset / name).write_bytes(b"x")
-    (hidden / "hs_0.safetensors").write_bytes(b"y")
-    paths = TrainPaths(dataset, hidden, tmp_path / "staging", tmp_path / "out", tmp_path / "spec.json")
-    before = inputs_fingerprint(paths)
-    (dataset / "d2t-200.npy").write_bytes(b"cache")
-    (dataset / ".snakemake_timestamp").touch()
-    assert inputs_fingerprint(paths) == before
-    (hidden / "hs_0.safetensors").write_bytes(b"regenerated")
-    assert inputs_fingerprint(paths) != before
+
+def test_checkpoints_survive_a_republish_but_not_new_data(dataset, hidden_states, tmp_path):
+    """Resume on the same inputs by content: a republished copy (new files, new times) and
+    speculators' own caches in the dataset directory resume; hidden states made under
+    other settings, or other tokens, do not."""
+    from draftsmith.train import inputs_fingerprint
+
+    before = inputs_fingerprint(published_copy(dataset, hidden_states, tmp_path / "a", "same"))
+    again = published_copy(dataset, hidden_states, tmp_path / "b", "same")
+    (again.dataset / "d2t-200.npy").write_bytes(b"cache")
+    (again.dataset / ".snakemake_timestamp").touch()
+    assert inputs_fingerprint(again) == before
+    other = published_copy(dataset, hidden_states, tmp_path / "c", "other layers")
+    assert inputs_fingerprint(other) != before
+    rows = load_from_disk(str(dataset)).with_format(None).to_list()
+    fingerprints = []
+    for name, shift in (("e", 0), ("f", 1)):  # the same rows rewritten, then one token changed
+        rewritten = published_copy(dataset, hidden_states, tmp_path / name, "same")
+        rows[0]["input_ids"][1] += shift
+        shutil.rmtree(rewritten.dataset)
+        Dataset.from_list(rows).save_to_disk(str(rewritten.dataset))
+        shutil.copy(dataset / "row_ids.json", rewritten.dataset / "row_ids.json")
+        fingerprints.append(inputs_fingerprint(rewritten))
+    assert fingerprints[0] != fingerprints[1]
 
 
 def run_stage_with_trainer(trainer_code: str, tmp_path: Path, stall_timeout_s: float) -> str:

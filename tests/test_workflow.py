@@ -1,19 +1,27 @@
 """The demo DAG end to end through Snakemake, on a copy of the workflow (the slowest test).
 
 One real run of the shipped demo config (real vLLM CPU build, real speculators), then:
-the wiring proof (trained drafter vs untrained), nothing left to do on a rerun, a
-generation change re-plans exactly generation and what follows, no server left behind,
-and the HTML report.
+the wiring proof (trained drafter vs untrained), nothing left to do on a rerun, the
+invalidation matrix (each config key changed alone plans exactly what settings.py says),
+each config's own results_dir, no server left behind, the HTML report, and last, re-runs
+that reuse finished work (extraction requests nothing again, training resumes).
 """
 
+import copy
 import json
+import shutil
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import copy_workflow, heavy_processes
+from snakemake.utils import validate
+
+from draftsmith.settings import RULE_ORDER, WHERE, downstream, tracked_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
@@ -94,17 +102,170 @@ def test_second_run_has_nothing_to_do_and_no_server_is_left(demo_run):
     assert "Nothing to be done" in rerun.stdout + rerun.stderr
 
 
-def test_a_generation_change_replans_generation_and_what_follows(demo_run):
-    config = yaml.safe_load((demo_run / "config/config.yaml").read_text())
-    config["generation"]["max_tokens"] = 48
-    changed = demo_run / "config" / "changed.yaml"
-    changed.write_text(yaml.safe_dump(config))
-    plan = snakemake(demo_run, "-n", "--configfile", str(changed))
-    assert plan.returncode == 0, plan.stderr[-3000:]
+def demo_config(workdir: Path) -> dict:
+    return yaml.safe_load((workdir / "config/config.yaml").read_text())
+
+
+def dry_run(workdir: Path, config: dict, name: str) -> dict[str, int]:
+    """The jobs ``snakemake -n`` plans for ``config`` in ``workdir`` (rule -> count)."""
+    path = workdir / "config" / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    plan = snakemake(workdir, "-n", "--configfile", str(path), timeout=300)
+    assert plan.returncode == 0, f"{name}: {plan.stderr[-3000:]}"
     jobs = planned_jobs(plan.stdout)
+    jobs.pop("all", None)
+    return jobs
+
+
+def test_a_generation_change_replans_generation_and_what_follows(demo_run):
+    config = demo_config(demo_run)
+    config["generation"]["max_tokens"] = 48
+    jobs = dry_run(demo_run, config, "max_tokens")
     assert jobs.get("generate") == config["questions"]["shards"]
     assert {"dataset", "extract", "train", "evaluate"} <= jobs.keys()
     assert "demo_model" not in jobs and "questions" not in jobs
+
+
+# One change at a time, to every key of the schema, and the hard cases (server options that
+# do or do not change numerics, re-sharding): (key, new value).
+MATRIX = [
+    ("results_dir", "results_elsewhere"),
+    ("device", "cuda"),
+    ("gpu_slot", 2),
+    ("target.model", "results/demo_model_b"),
+    ("target.build_demo", False),
+    ("target.demo_train_steps", 400),
+    ("target.trust_remote_code", True),
+    ("layers", [1, 3, 4, 5]),
+    ("server.tensor_parallel_size", 2),
+    ("server.data_parallel_size", 2),
+    ("server.max_model_len", 1024),
+    ("server.startup_timeout_s", 900),
+    ("server.extra_args", ["--enforce-eager", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.5"]),
+    ("server.extra_args", ["--enforce-eager", "--dtype", "float16"]),  # numerics
+    ("server.env", {"VLLM_CPU_KVCACHE_SPACE": 2, "HF_HUB_OFFLINE": 1}),
+    ("server.env", {"VLLM_CPU_KVCACHE_SPACE": 1, "HF_HUB_OFFLINE": 1, "VLLM_ATTENTION_BACKEND": "X"}),
+    ("questions.source", "config/other_questions.jsonl"),
+    ("questions.split", "test"),
+    ("questions.subset", "other"),
+    ("questions.limit", 500),
+    ("questions.heldout", 50),
+    ("questions.shards", 3),
+    ("questions.seed", 1),
+    ("generation.concurrency", 4),
+    ("generation.max_tokens", 48),
+    ("generation.sampling", {"temperature": 0.5, "top_p": 1.0, "seed": 0}),
+    ("generation.max_error_fraction", 0.1),
+    ("generation.request_timeout_s", 100),
+    ("generation.max_retries", 1),
+    ("generation.endpoint", {"base_url": "http://127.0.0.1:9/v1"}),
+    ("dataset.seq_length", 400),
+    ("dataset.min_trainable_tokens", 2),
+    ("extraction.shards", 3),
+    ("extraction.concurrency", 4),
+    ("extraction.request_timeout_s", 100),
+    ("extraction.max_retries", 1),
+    ("training.epochs", 16),
+    ("training.lr", 0.001),
+    ("training.draft_vocab_size", 150),
+    ("training.total_seq_len", 1024),
+    ("training.num_layers", 2),
+    ("training.seed", 1),
+    ("training.stall_timeout_s", 100),
+    ("training.extra_args", ["--log-freq", "5"]),
+    ("evaluation.num_speculative_tokens", 2),
+    ("evaluation.max_tokens", 32),
+    ("evaluation.concurrency", 4),
+    ("evaluation.compare_untrained", False),
+    ("evaluation.limit", 10),
+]
+
+
+def changed_config(base: dict, key: str, value) -> dict:
+    config = copy.deepcopy(base)
+    *parents, leaf = key.split(".")
+    section = config
+    for part in parents:
+        section = section.setdefault(part, {})
+    section[leaf] = value
+    return config
+
+
+def expected_reruns(base: dict, changed: dict, key: str) -> set[str]:
+    """What settings.py says the change re-runs: the rules whose tracked settings differ,
+    and what follows them, among the rules the changed config has."""
+    schema = str(ROOT / "workflow/schemas/config.schema.yaml")
+    base, changed = copy.deepcopy(base), copy.deepcopy(changed)
+    validate(base, schema)
+    validate(changed, schema)
+    if key in WHERE:
+        found = set(RULE_ORDER)
+    else:
+        found = downstream(rule for rule in RULE_ORDER
+                           if tracked_settings(base, rule) != tracked_settings(changed, rule))  # fmt: skip
+    if not changed["target"]["build_demo"]:
+        found.discard("demo_model")
+    if not changed["evaluation"]["compare_untrained"]:
+        found.discard("untrained_drafter")
+    return found
+
+
+def test_each_key_changed_alone_plans_exactly_what_the_table_says(demo_run):
+    """The invalidation matrix: on the finished demo, `snakemake -n` plans exactly the rules
+    settings.py names for each key (no stage runs: planning only)."""
+    base = demo_config(demo_run)
+    other_source = dict(MATRIX)["questions.source"]
+    shutil.copy(demo_run / base["questions"]["source"], demo_run / other_source)
+    cases = {f"{key}={json.dumps(value)}": (key, changed_config(base, key, value))
+             for key, value in MATRIX}  # fmt: skip
+    with ThreadPoolExecutor(2) as pool:  # dry runs only read; two at a time on two cores
+        jobs = pool.map(lambda item: dry_run(demo_run, item[1][1], f"matrix_{item[0]}"), enumerate(cases.values()))
+        planned = dict(zip(cases, jobs))
+    wrong = {}
+    for case, (key, config) in cases.items():
+        expected = expected_reruns(base, config, key)
+        if set(planned[case]) != expected:
+            wrong[case] = {"planned": sorted(planned[case]), "table": sorted(expected)}
+    assert wrong == {}
+    # The two scenarios that wasted whole stages before, spelled out.
+    assert set(planned["evaluation.concurrency=4"]) == {"evaluate", "plan_snapshot", "run_metadata"}
+    assert planned["server.startup_timeout_s=900"] == {}
+    assert planned["questions.shards=3"]["generate"] == 3
+
+
+def test_the_production_plan_shows_only_its_own_results_dir(demo_run):
+    """Planning Kimi next to a finished demo: nothing done, the upper-bound estimate."""
+    kimi = yaml.safe_load((demo_run / "config/kimi-k2.5-int4.yaml").read_text())
+    target = demo_run / "kimi-config-only"
+    target.mkdir()
+    shutil.copy(ROOT / "tests/data/kimi-k2.5-config.json", target / "config.json")
+    kimi["target"]["model"] = str(target)
+    path = demo_run / "config" / "kimi-here.yaml"
+    path.write_text(yaml.safe_dump(kimi))
+    run = snakemake(demo_run, "plan", "--cores", "1", "--configfile", str(path), timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    table = dict(line.split("  ", 1) for line in run.stdout.splitlines() if "  " in line)
+    table = {name.strip(): value.strip() for name, value in table.items()}
+    assert table["hidden states"].startswith("4.2 TiB")
+    assert table["questions (train / held out)"].startswith("9,800 / 200 (config")
+    assert table["done: generation shards / answers staged"] == "0 / 0"
+    assert table["done: extraction shards / files staged"] == "0 / 0"
+    assert table["done: drafter / evaluation"] == "no / no"
+    assert (demo_run / "results/kimi-k2.5-int4/logs/plan.log").is_file()
+
+
+def test_a_missing_question_file_fails_in_seconds_naming_it(demo_run):
+    config = demo_config(demo_run)
+    config["questions"]["source"] = "config/nope.jsonl"
+    path = demo_run / "config" / "nope.yaml"
+    path.write_text(yaml.safe_dump(config))
+    started = time.monotonic()
+    run = snakemake(demo_run, "--cores", "all", "--resources", "gpu=8", "--configfile", str(path))
+    output = run.stdout + run.stderr
+    assert run.returncode != 0
+    assert "preflight: questions.source config/nope.jsonl does not exist" in output
+    assert "Nothing to be done" not in output
+    print(f"refused in {time.monotonic() - started:.1f}s")
 
 
 def test_report_holds_the_plots(demo_run):
@@ -115,3 +276,25 @@ def test_report_holds_the_plots(demo_run):
     assert report.stat().st_size > 50_000
     for expected in ("acceptance.png", "plan.txt"):
         assert expected in html
+
+
+def test_forced_reruns_reuse_finished_work(demo_run):
+    """Last (it leaves the evaluation outdated): a forced extraction requests no row again,
+    since the published files are links to the staged ones, and training, fed the same
+    data republished, resumes from its checkpoints instead of starting over."""
+    results = demo_run / "results"
+    checkpoint = next((results / ".staging/train/checkpoints").glob("[0-9]*/model.safetensors"))
+    checkpoint_written = checkpoint.stat().st_mtime_ns
+    run = snakemake(demo_run, "--forcerun", "extract", "--until", "train",
+                    "--cores", "all", "--resources", "gpu=8")  # fmt: skip
+    assert run.returncode == 0, run.stderr[-5000:]
+    for log in sorted((results / "logs/extract").glob("shard_*.log")):
+        text = log.read_text()
+        assert ", 0 to request" in text, text[-2000:]
+        assert "starting vLLM" not in text
+    hidden_state = next((results / "hidden_states/shard_0").glob("hs_*.safetensors"))
+    assert hidden_state.stat().st_nlink == 2  # the published name and the staged one
+    train_log = (results / "logs/train.log").read_text()
+    assert "starting afresh" not in train_log and "Starting fresh training run" not in train_log
+    assert "Resuming training on epoch" in train_log
+    assert checkpoint.stat().st_mtime_ns == checkpoint_written

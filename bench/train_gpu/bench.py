@@ -100,7 +100,7 @@ def stage_argv(data: Path, save: Path, total_seq_len: int, extra: list[str]) -> 
         "training": {"draft_vocab_size": 32000, "num_layers": 1, "epochs": 1, "lr": 0.0001,
                      "total_seq_len": total_seq_len, "seed": 0, "extra_args": extra},
     }  # fmt: skip
-    paths = TrainPaths(data / "dataset", data / "hidden_states", save, save, save / "spec.json")
+    paths = TrainPaths(data / "dataset", data / "hidden_states", save, save)
     return speculators_args(settings, resolve_layers([2, 30, 58, 60], 61), paths)
 
 

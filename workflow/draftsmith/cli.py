@@ -1,14 +1,29 @@
-"""Entry-point wrapper: a user error ends as one clear last line, with the traceback above it."""
+"""Entry points: reading the settings, and a user error ending as one clear last line."""
 
 from __future__ import annotations
 
 import errno
+import json
 import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.progress import log
+from draftsmith.settings import stage_view
+
+SETTINGS_HELP = "the config as JSON text, or the path of a JSON file (the run's results/.staging/config.json)"
+
+
+def read_config(value: str) -> dict:
+    """``--settings``: JSON text, or the path of the run config the workflow writes."""
+    return json.loads(value if value.lstrip().startswith("{") else Path(value).read_text())
+
+
+def read_settings(value: str, stage: str) -> dict:
+    """The config as the stage's rule declares it (draftsmith/settings.py): only those keys."""
+    return stage_view(read_config(value), stage)
 
 
 def run_main(main: Callable[[], None]) -> None:

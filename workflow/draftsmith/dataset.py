@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from draftsmith.atomic import atomic_write_text, publish_directory
+from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.errors import DraftsmithError
 from draftsmith.progress import log
 
@@ -31,23 +32,44 @@ class DatasetError(DraftsmithError):
     pass
 
 
+def answers_by_id(shards: list[Path]) -> list[tuple[str, Path, int]]:
+    """(question id, shard, byte offset) of every answer, in question-id order.
+
+    The merged rows go in this order, not in shard order: prepare-data's shuffle is
+    seeded, so the same answers make the same dataset however the questions were
+    sharded, and a re-sharding leaves every extracted row valid."""
+    found = []
+    for shard in shards:
+        with shard.open("rb") as handle:
+            offset = 0
+            for line in handle:
+                if line.strip():
+                    found.append((json.loads(line)["id"], shard, offset))
+                offset += len(line)
+    return sorted(found)
+
+
 def merge_completions(shards: list[Path], merged: Path, seq_length: int) -> dict[str, str]:
-    """Concatenate the shards into one JSONL of ``input_ids``/``loss_mask`` rows.
+    """Write the answers, in question-id order, as one JSONL of ``input_ids``/``loss_mask`` rows.
 
     Returns question ids by token hash, keyed by both the full row and the row cut
     to ``seq_length`` (prepare-data truncates long rows).
     """
     ids_by_tokens: dict[str, str] = {}
-    with merged.open("w", encoding="utf-8") as out:
-        for shard in shards:
-            with shard.open(encoding="utf-8") as handle:
-                for line in handle:
-                    record = json.loads(line)
-                    input_ids = record["input_ids"]
-                    ids_by_tokens[tokens_key(input_ids)] = record["id"]
-                    ids_by_tokens.setdefault(tokens_key(input_ids[:seq_length]), record["id"])
-                    row = {"input_ids": input_ids, "loss_mask": record["loss_mask"]}
-                    out.write(json.dumps(row) + "\n")
+    handles = {shard: shard.open("rb") for shard in shards}
+    try:
+        with merged.open("w", encoding="utf-8") as out:
+            for question_id, shard, offset in answers_by_id(shards):
+                handles[shard].seek(offset)
+                record = json.loads(handles[shard].readline())
+                input_ids = record["input_ids"]
+                ids_by_tokens[tokens_key(input_ids)] = question_id
+                ids_by_tokens.setdefault(tokens_key(input_ids[:seq_length]), question_id)
+                row = {"input_ids": input_ids, "loss_mask": record["loss_mask"]}
+                out.write(json.dumps(row) + "\n")
+    finally:
+        for handle in handles.values():
+            handle.close()
     return ids_by_tokens
 
 
@@ -112,12 +134,12 @@ def run(settings: dict, completions: list[Path], staging: Path, output: Path) ->
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", required=True, help="JSON: target, dataset")
+    parser.add_argument("--settings", required=True, help=SETTINGS_HELP)
     parser.add_argument("--staging", required=True, type=Path)
     parser.add_argument("--output", required=True, type=Path)
     parser.add_argument("completions", nargs="+", type=Path)
     args = parser.parse_args(argv)
-    run(json.loads(args.settings), args.completions, args.staging, args.output)
+    run(read_settings(args.settings, "dataset"), args.completions, args.staging, args.output)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ counters start at zero. Acceptance comes from vLLM's own spec-decode metrics:
 Optionally a drafter of the same shape with untrained weights is measured too: the
 demo's proof that tokens, masks and vocabulary mapping line up is that training
 clearly beats it.
+
+The stage also writes the drafter's ``--speculative-config`` JSON for serving: its
+``num_speculative_tokens`` is an evaluation setting, so training never depends on it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from draftsmith.atomic import atomic_write_text
+from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.client import SPECULATORS_CLIENT, chat_poster, open_session
 from draftsmith.errors import DraftsmithError
 from draftsmith.progress import Progress, log
@@ -178,6 +182,12 @@ def plot(result: dict, path: Path) -> None:
     plt.close(figure)
 
 
+def speculative_config(drafter: Path, num_speculative_tokens: int) -> dict:
+    """The value of vLLM's ``--speculative-config`` that serves ``drafter``."""
+    return {"model": str(drafter.resolve()), "method": "eagle3",
+            "num_speculative_tokens": num_speculative_tokens}  # fmt: skip
+
+
 def read_heldout(path: Path, limit: int | None) -> list[dict]:
     with path.open(encoding="utf-8") as handle:
         questions = [json.loads(line) for line in handle if line.strip()]
@@ -186,19 +196,20 @@ def read_heldout(path: Path, limit: int | None) -> list[dict]:
     return questions[:limit] if limit else questions
 
 
-def run(settings: dict, heldout: Path, spec_config: Path, output: Path, plot_path: Path,
-        untrained_spec_config: Path | None, granted_gpus: int | None) -> dict:  # fmt: skip
+def run(settings: dict, heldout: Path, drafter: Path, spec_config: Path, output: Path,
+        plot_path: Path, untrained_drafter: Path | None, granted_gpus: int | None) -> dict:  # fmt: skip
     check_gpu_slot(settings, granted_gpus)
     questions = read_heldout(heldout, settings["evaluation"]["limit"])
-    speculative_config = json.loads(spec_config.read_text())
+    k = settings["evaluation"]["num_speculative_tokens"]
     log(f"evaluating on {len(questions)} held-out questions")
     without = measure(settings, questions, None, "target alone")
-    with_drafter = measure(settings, questions, speculative_config, "target + drafter")
+    with_drafter = measure(settings, questions, speculative_config(drafter, k), "target + drafter")
     untrained = None
-    if untrained_spec_config is not None:
-        untrained = measure(settings, questions, json.loads(untrained_spec_config.read_text()), "untrained drafter")
-    result = summarize(with_drafter, without, untrained, speculative_config["num_speculative_tokens"])
+    if untrained_drafter is not None:
+        untrained = measure(settings, questions, speculative_config(untrained_drafter, k), "untrained drafter")
+    result = summarize(with_drafter, without, untrained, k)
     plot(result, plot_path)
+    atomic_write_text(spec_config, json.dumps(speculative_config(drafter, k)) + "\n")
     atomic_write_text(output, json.dumps(result, indent=2) + "\n")
     log(f"acceptance length {result['acceptance_length']} (per position {result['acceptance_per_position']})")
     return result
@@ -206,16 +217,18 @@ def run(settings: dict, heldout: Path, spec_config: Path, output: Path, plot_pat
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", required=True, help="JSON: target, server, evaluation, device")
+    parser.add_argument("--settings", required=True, help=SETTINGS_HELP)
     parser.add_argument("--heldout", required=True, type=Path)
-    parser.add_argument("--spec-config", required=True, type=Path, help="the drafter's --speculative-config")
-    parser.add_argument("--untrained-spec-config", type=Path, default=None)
+    parser.add_argument("--drafter", required=True, type=Path, help="the trained drafter directory")
+    parser.add_argument("--untrained-drafter", type=Path, default=None, help="a baseline drafter")
+    parser.add_argument("--spec-config", required=True, type=Path,
+                        help="where to write the drafter's --speculative-config JSON")
     parser.add_argument("--output", required=True, type=Path)
     parser.add_argument("--plot", required=True, type=Path)
     parser.add_argument("--granted-gpus", type=int, default=None)
     args = parser.parse_args(argv)
-    run(json.loads(args.settings), args.heldout, args.spec_config, args.output, args.plot,
-        args.untrained_spec_config, args.granted_gpus)  # fmt: skip
+    run(read_settings(args.settings, "evaluate"), args.heldout, args.drafter, args.spec_config,
+        args.output, args.plot, args.untrained_drafter, args.granted_gpus)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -7,10 +7,12 @@
 Shard I of N is a contiguous range of dataset rows. One vLLM server (extraction mode)
 is started for the whole shard; every row is requested once, its file is checked by
 the gate (``shard_gate``) and moved to ``STAGING/hs_<row>.safetensors``. A restart
-skips rows whose staged file passes the gate. Only when every row is staged and the
-whole shard passes the gate again are the files published: moved into a fresh
-sibling of ``--output`` that is then renamed to ``--output`` in one step, so the
-output directory appears complete or not at all.
+skips rows whose staged file passes the gate, and takes rows another shard's staging
+holds (made under the same settings), so a re-sharding requests nothing again. Only
+when every row is staged and the whole shard passes the gate again are the files
+published: hard-linked (no bytes copied) into a fresh sibling of ``--output`` that is
+then renamed to ``--output`` in one step, so the output directory appears complete or
+not at all, and the staged copy survives Snakemake deleting the output before a rerun.
 """
 
 from __future__ import annotations
@@ -32,17 +34,19 @@ from datasets import Dataset, load_from_disk
 from transformers import AutoConfig
 
 from draftsmith.atomic import publish_directory
+from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.client import SPECULATORS_CLIENT
 from draftsmith.errors import DraftsmithError
 from draftsmith.layers import LayerPlan, resolve_layers
 from draftsmith.progress import Progress, log
 from draftsmith.server import Endpoint, ServerSpec, import_in_background, managed_server
-from draftsmith.shard_gate import BadSample, check_sample, check_shard, sample_path
+from draftsmith.shard_gate import BadSample, check_sample, check_shard
 from draftsmith.slot import check_gpu_slot
-from draftsmith.staging import open_staging
+from draftsmith.layout import HIDDEN_STATE_GLOB, SHARD_MANIFEST, hidden_state_file
+from draftsmith.settings import item_settings
+from draftsmith.staging import fingerprint_of, matching_siblings, open_staging
 
 SHOW_FIRST = 5
-MANIFEST_NAME = "manifest.json"
 VLLM_STORAGE_DIR = "vllm"  # inside staging: same filesystem, so moves are atomic renames
 MAX_BACKOFF_S = 30.0
 # How often a finished row's file lock is tried (speculators' default: 0.1 s).
@@ -214,7 +218,7 @@ def rows_to_request(staging: Path, rows: ShardRows, shape: SampleShape) -> list[
     """Resume: rows whose staged file is missing or fails the gate (bad files are removed)."""
     todo, corrupt = [], {}
     for row in rows:
-        path = sample_path(staging, row)
+        path = hidden_state_file(staging, row)
         if not path.exists():
             todo.append(row)
             continue
@@ -230,6 +234,25 @@ def rows_to_request(staging: Path, rows: ShardRows, shape: SampleShape) -> list[
         log(f"resume: removed {len(corrupt)} staged file(s) that failed the gate: "
             f"{_first_few(corrupt)}")  # fmt: skip
     return todo
+
+
+def adopt_from_other_shards(staging: Path, rows: ShardRows) -> int:
+    """Link into this staging the rows another shard's staging holds (after a re-sharding);
+    ``rows_to_request`` then gates them like any staged file."""
+    siblings = matching_siblings(staging)
+    adopted = 0
+    for row in rows if siblings else []:
+        mine = hidden_state_file(staging, row)
+        if mine.exists():
+            continue
+        for sibling in siblings:
+            if hidden_state_file(sibling, row).exists():
+                os.link(hidden_state_file(sibling, row), mine)
+                adopted += 1
+                break
+    if adopted:
+        log(f"reused {adopted} rows staged by other shards under the same settings")
+    return adopted
 
 
 def _discard(path: str) -> None:
@@ -266,7 +289,7 @@ async def _extract_one(
                 vllm_path + ".lock", timeout=timeout_s, poll_interval=LOCK_POLL_S
             )
         await asyncio.to_thread(shape.check, Path(vllm_path), token_ids)
-        os.replace(vllm_path, sample_path(staging, row))
+        os.replace(vllm_path, hidden_state_file(staging, row))
     finally:
         _discard(vllm_path)
 
@@ -346,18 +369,20 @@ def publishing_dir(output: Path) -> Path:
 
 
 def _recover_interrupted_publish(fresh: Path, staging: Path) -> None:
-    """A crash between moving files and the final rename leaves them in ``fresh``."""
+    """A crash before the final rename leaves links in ``fresh``; the staged files are
+    intact, except a file only there (moved by an older release), which goes back."""
     if not fresh.exists():
         return
-    moved = list(fresh.glob("hs_*.safetensors"))
-    for path in moved:
-        os.replace(path, staging / path.name)
+    for path in fresh.glob(HIDDEN_STATE_GLOB):
+        if not (staging / path.name).exists():
+            os.replace(path, staging / path.name)
     shutil.rmtree(fresh)
-    log(f"recovered {len(moved)} file(s) from an interrupted publish in {fresh}")
+    log(f"removed the unfinished publish in {fresh}")
 
 
-def manifest(rows: ShardRows, plan: LayerPlan, shape: SampleShape, staging: Path) -> dict:
+def manifest(rows: ShardRows, plan: LayerPlan, shape: SampleShape, staging: Path, items: str) -> dict:
     return {
+        "items_fingerprint": items,  # the settings every file was made under (settings.py)
         "rows": [rows.rows.start, rows.rows.stop],
         "num_rows": len(rows),
         "config_layers": list(plan.config_layers),
@@ -366,30 +391,26 @@ def manifest(rows: ShardRows, plan: LayerPlan, shape: SampleShape, staging: Path
         "hidden_size": shape.hidden_size,
         "dtype": str(shape.dtype).removeprefix("torch."),
         "num_tokens": sum(len(rows[row]) for row in rows),
-        "bytes": sum(sample_path(staging, row).stat().st_size for row in rows),
+        "bytes": sum(hidden_state_file(staging, row).stat().st_size for row in rows),
     }
 
 
 def publish(staging: Path, output: Path, rows: ShardRows, info: dict) -> None:
-    """Move the staged files into a fresh sibling of ``output``, then rename it into place."""
+    """Hard-link the staged files into a fresh sibling of ``output``, then rename it into
+    place. Links copy no bytes, and the staged names keep the files when Snakemake deletes
+    the output before a rerun (a rerun then requests nothing again)."""
     fresh = publishing_dir(output)
     fresh.mkdir(parents=True)
     for row in rows:
         try:
-            os.rename(sample_path(staging, row), sample_path(fresh, row))
+            os.link(hidden_state_file(staging, row), hidden_state_file(fresh, row))
         except OSError as error:
             raise ExtractionError(
-                f"cannot move staged files into {fresh} ({error}); staging and output must "
-                "be on the same filesystem"
+                f"cannot link staged files into {fresh} ({error}); staging and output must "
+                "be on the same filesystem, one that supports hard links"
             ) from error
-    (fresh / MANIFEST_NAME).write_text(json.dumps(info, indent=2) + "\n")
+    (fresh / SHARD_MANIFEST).write_text(json.dumps(info, indent=2) + "\n")
     publish_directory(fresh, output)
-
-
-def staged_file_shaping(settings: dict, plan: LayerPlan) -> dict:
-    """What a staged file depends on beyond what the gate checks (tokens, shapes): other
-    layers or another model must not reuse staged files."""
-    return {"model": settings["target"]["model"], "vllm_layer_ids": plan.vllm_ids}
 
 
 def run(
@@ -408,8 +429,10 @@ def run(
     check_settings(settings, rows)
     log(f"shard {shard}/{num_shards}: rows {rows.rows.start}..{rows.rows.stop - 1}, "
         f"vLLM layer ids {plan.vllm_ids}, hidden {shape.hidden_size}, {shape.dtype}")  # fmt: skip
-    open_staging(staging, staged_file_shaping(settings, plan))
+    items = item_settings(settings, "extract")
+    open_staging(staging, items)
     _recover_interrupted_publish(publishing_dir(output), staging)
+    adopt_from_other_shards(staging, rows)
     storage = staging / VLLM_STORAGE_DIR
     shutil.rmtree(storage, ignore_errors=True)  # leftovers of a killed server
     storage.mkdir()
@@ -431,7 +454,7 @@ def run(
             "Staged rows are kept; rerun to retry only the missing ones"
         )
     check_shard(staging, rows, shape.num_layers_stored, shape.hidden_size, shape.dtype)
-    publish(staging, output, rows, manifest(rows, plan, shape, staging))
+    publish(staging, output, rows, manifest(rows, plan, shape, staging, fingerprint_of(items)))
     shutil.rmtree(storage)
     log(f"published {len(rows)} samples to {output}")
     return result
@@ -443,9 +466,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--settings", required=True, help="JSON: target, server, layers, extraction, device"
-    )
+    parser.add_argument("--settings", required=True, help=SETTINGS_HELP)
     parser.add_argument("--dataset", required=True, type=Path, help="prepare-data output")
     parser.add_argument("--shard", required=True, type=int)
     parser.add_argument("--num-shards", required=True, type=int)
@@ -453,7 +474,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--output", required=True, type=Path, help="published shard dir")
     parser.add_argument("--granted-gpus", type=int, default=None, help="what Snakemake granted")
     args = parser.parse_args(argv)
-    run(json.loads(args.settings), args.dataset, args.shard, args.num_shards,
+    run(read_settings(args.settings, "extract"), args.dataset, args.shard, args.num_shards,
         args.staging, args.output, args.granted_gpus)  # fmt: skip
 
 

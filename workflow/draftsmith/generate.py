@@ -33,12 +33,14 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from draftsmith.atomic import atomic_write_text
+from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.client import SPECULATORS_CLIENT, chat_poster, open_session
 from draftsmith.errors import DraftsmithError
 from draftsmith.progress import Progress, log
 from draftsmith.server import Endpoint, ServerSpec, import_in_background, managed_server
 from draftsmith.slot import check_gpu_slot
-from draftsmith.staging import open_staging
+from draftsmith.settings import item_settings
+from draftsmith.staging import matching_siblings, open_staging
 
 RECORDS = "records.jsonl"
 SPECULATORS_GENERATION = "speculators.cli.regenerate_responses"  # imported while the server loads
@@ -60,22 +62,46 @@ def read_questions(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in handle if line.strip()]
 
 
-def load_records(path: Path) -> dict[str, dict[str, Any]]:
-    """Finished answers by question id. A torn last line (crash mid-write) is cut off,
-    so later appends start on a clean line."""
+def read_records(path: Path) -> dict[str, dict[str, Any]]:
+    """Finished answers by question id, leaving the file as it is (a torn last line is skipped)."""
     if not path.exists():
         return {}
     data = path.read_bytes()
     complete = data[: data.rfind(b"\n") + 1]
-    if len(complete) != len(data):
-        log(f"dropping a torn last line from {path} (interrupted write)")
-        with path.open("r+b") as handle:
-            handle.truncate(len(complete))
-    records = {}
-    for line in complete.decode("utf-8").splitlines():
-        record = json.loads(line)
-        records[record["id"]] = record
-    return records
+    return {record["id"]: record for record in map(json.loads, complete.decode("utf-8").splitlines())}
+
+
+def load_records(path: Path) -> dict[str, dict[str, Any]]:
+    """This shard's finished answers. A torn last line (crash mid-write) is cut off, so
+    later appends start on a clean line."""
+    if path.exists():
+        size, complete = path.stat().st_size, path.read_bytes().rfind(b"\n") + 1
+        if complete != size:
+            log(f"dropping a torn last line from {path} (interrupted write)")
+            with path.open("r+b") as handle:
+                handle.truncate(complete)
+    return read_records(path)
+
+
+def adopt_from_other_shards(staging: Path, questions: list[dict[str, Any]], done: dict) -> int:
+    """After a re-sharding, answers to this shard's questions may sit in another shard's
+    staging (made under the same settings): copy them here instead of asking again."""
+    wanted = {q["id"] for q in questions} - done.keys()
+    adopted = []
+    for sibling in matching_siblings(staging) if wanted else []:
+        for question_id, record in read_records(sibling / RECORDS).items():
+            if question_id in wanted:
+                adopted.append(record)
+                wanted.discard(question_id)
+    if adopted:
+        writer = RecordWriter(staging / RECORDS)
+        try:
+            for record in adopted:
+                writer.write(record)
+        finally:
+            writer.close()
+        log(f"reused {len(adopted)} answers staged by other shards under the same settings")
+    return len(adopted)
 
 
 def record_from_sample(question_id: str, sample: dict[str, Any]) -> dict[str, Any]:
@@ -185,17 +211,6 @@ def publish(questions: list[dict[str, Any]], records: dict[str, dict[str, Any]],
     atomic_write_text(output, "".join(lines))
 
 
-def answer_shaping_settings(settings: dict) -> dict:
-    """What an answer depends on; concurrency, timeouts and retries do not change it."""
-    generation = settings["generation"]
-    return {
-        "model": settings["target"]["model"],
-        "max_tokens": generation["max_tokens"],
-        "sampling": generation["sampling"],
-        "endpoint": (generation.get("endpoint") or {}).get("base_url"),
-    }
-
-
 def overlong_prompts(settings: dict, questions: list[dict[str, Any]]) -> dict[str, int]:
     """Prompt lengths of the questions whose prompt alone fills server.max_model_len.
 
@@ -222,8 +237,9 @@ def run(settings: dict, questions_path: Path, staging: Path, output: Path, grant
     check_gpu_slot(settings, granted_gpus)
     generation = settings["generation"]
     questions = read_questions(questions_path)
-    open_staging(staging, answer_shaping_settings(settings))
+    open_staging(staging, item_settings(settings, "generate"))
     records_path = staging / RECORDS
+    adopt_from_other_shards(staging, questions, load_records(records_path))
     done = load_records(records_path)
     todo = [q for q in questions if q["id"] not in done]
     log(f"{len(questions)} questions in shard: {len(done)} already answered, {len(todo)} to ask")
@@ -289,13 +305,13 @@ def run(settings: dict, questions_path: Path, staging: Path, output: Path, grant
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", required=True, help="JSON: target, server, generation, device")
+    parser.add_argument("--settings", required=True, help=SETTINGS_HELP)
     parser.add_argument("--questions", required=True, type=Path)
     parser.add_argument("--staging", required=True, type=Path)
     parser.add_argument("--output", required=True, type=Path)
     parser.add_argument("--granted-gpus", type=int, default=None, help="what Snakemake granted")
     args = parser.parse_args(argv)
-    run(json.loads(args.settings), args.questions, args.staging, args.output, args.granted_gpus)
+    run(read_settings(args.settings, "generate"), args.questions, args.staging, args.output, args.granted_gpus)
 
 
 if __name__ == "__main__":

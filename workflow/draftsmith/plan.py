@@ -16,7 +16,9 @@ import shutil
 from pathlib import Path
 
 from draftsmith.atomic import atomic_write_text
+from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.errors import DraftsmithError
+from draftsmith.layout import HIDDEN_STATE_GLOB, Layout
 from draftsmith.progress import log
 
 BYTES_PER_VALUE = 2  # bf16, as vLLM writes the hidden states
@@ -60,7 +62,7 @@ def _count_lines(path: Path) -> int:
 
 def _question_counts(settings: dict, results: Path) -> tuple[int, int, str]:
     """(train questions, held-out questions, where the numbers come from)."""
-    summary = results / "questions" / "summary.json"
+    summary = Layout(results).questions_summary
     if summary.exists():
         data = json.loads(summary.read_text())
         return data["train"], data["heldout"], "questions stage"
@@ -77,7 +79,7 @@ def _question_counts(settings: dict, results: Path) -> tuple[int, int, str]:
 
 def _measured_tokens(results: Path) -> tuple[int, int, int] | None:
     """(answers, prompt tokens, completion tokens) from published completion shards."""
-    shards = sorted((results / "completions").glob("shard_*.jsonl"))
+    shards = sorted(Layout(results).completions.glob("shard_*.jsonl"))
     if not shards:
         return None
     answers = prompt = completion = 0
@@ -91,16 +93,17 @@ def _measured_tokens(results: Path) -> tuple[int, int, int] | None:
     return answers, prompt, completion
 
 
-def _done(results: Path, settings: dict) -> dict:
-    staging = results / ".staging"
-    staged_answers = sum(_count_lines(p) for p in staging.glob("completions/shard_*/records.jsonl"))
+def _done(layout: Layout) -> dict:
+    """What exists in this config's results_dir (and nowhere else)."""
+    staged_answers = layout.staging_for("completions").glob("shard_*/records.jsonl")
+    staged_states = layout.staging_for("hidden_states").glob(f"shard_*/{HIDDEN_STATE_GLOB}")
     return {
-        "generation_shards_done": len(list((results / "completions").glob("shard_*.jsonl"))),
-        "answers_staged": staged_answers,
-        "extraction_shards_done": len([p for p in (results / "hidden_states").glob("shard_*") if p.is_dir()]),
-        "hidden_state_files_staged": len(list(staging.glob("hidden_states/shard_*/hs_*.safetensors"))),
-        "drafter_done": (results / "drafter").is_dir(),
-        "evaluation_done": (results / "eval" / "acceptance.json").is_file(),
+        "generation_shards_done": len(list(layout.completions.glob("shard_*.jsonl"))),
+        "answers_staged": sum(_count_lines(p) for p in staged_answers),
+        "extraction_shards_done": len([p for p in layout.hidden_states.glob("shard_*") if p.is_dir()]),
+        "hidden_state_files_staged": len(list(staged_states)),
+        "drafter_done": layout.drafter.is_dir(),
+        "evaluation_done": layout.acceptance.is_file(),
     }
 
 
@@ -121,8 +124,10 @@ def plan_for(settings: dict, results: Path) -> dict:
     training_tokens = int(per_row * train)
     layers, hidden = len(settings["layers"]), target["hidden_size"]
     hidden_bytes = training_tokens * layers * hidden * BYTES_PER_VALUE
-    done = _done(results, settings)
-    written_bytes = sum(p.stat().st_size for p in results.glob("hidden_states/shard_*/hs_*.safetensors"))
+    layout = Layout(results)
+    done = _done(layout)
+    written = layout.hidden_states.glob(f"shard_*/{HIDDEN_STATE_GLOB}")
+    written_bytes = sum(p.stat().st_size for p in written)
     server = settings["server"]
     external = bool(settings["generation"].get("endpoint"))
     return {
@@ -179,11 +184,11 @@ def format_plan(plan: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", required=True, help="JSON: the whole config")
-    parser.add_argument("--results", type=Path, default=Path("results"))
+    parser.add_argument("--settings", required=True, help=SETTINGS_HELP)
+    parser.add_argument("--results", type=Path, required=True, help="the config's results_dir")
     parser.add_argument("--output", type=Path, help="write the plan as JSON here")
     args = parser.parse_args(argv)
-    plan = plan_for(json.loads(args.settings), args.results)
+    plan = plan_for(read_settings(args.settings, "plan"), args.results)
     table = format_plan(plan)
     print(table)
     if args.output:

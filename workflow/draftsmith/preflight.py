@@ -32,9 +32,11 @@ from importlib import metadata
 from pathlib import Path
 
 from draftsmith.atomic import atomic_write_text
+from draftsmith.cli import SETTINGS_HELP, read_config
 from draftsmith.errors import DraftsmithError
 from draftsmith.layers import LayerConfigError, resolve_layers
 from draftsmith.plan import existing_parent, plan_for, read_target_config
+from draftsmith.questions import is_local_source
 
 # (module, attribute): what draftsmith imports or loads from the two libraries.
 REQUIRED_NAMES = [
@@ -244,6 +246,16 @@ def check_target(settings: dict) -> list[str]:
     return problems
 
 
+def check_local_inputs(settings: dict) -> list[str]:
+    """Every local path the config names exists. Snakemake does not look at the inputs of
+    a finished job, so a mistyped path after a run would otherwise pass as "nothing to do"."""
+    source = settings["questions"]["source"]
+    if is_local_source(source) and not Path(source).expanduser().exists():
+        return [f"questions.source {source} does not exist (a local path, not a hub id); "
+                "fix the path in the config"]  # fmt: skip
+    return []
+
+
 def check_gpus(settings: dict) -> list[str]:
     if settings["device"] != "cuda":
         return []
@@ -303,7 +315,8 @@ def run_checks(
     gpus: bool = True,
     install_cache: Path | None = None,
 ) -> list[str]:
-    problems = check_install(install_cache)
+    problems = check_local_inputs(settings)
+    problems += check_install(install_cache)
     problems += check_writable([results])
     problems += check_loopback_port()
     if gpus:
@@ -316,14 +329,14 @@ def run_checks(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", required=True, help="JSON: the whole config")
+    parser.add_argument("--settings", required=True, help=SETTINGS_HELP)
     parser.add_argument("--results", type=Path, default=Path("results"))
     parser.add_argument("--output", type=Path, required=True)
     parser.add_argument("--skip-target", action="store_true", help="the target is not built yet")
     parser.add_argument("--skip-gpus", action="store_true", help="GPUs are on other (compute) nodes")
     parser.add_argument("--install-cache", type=Path, help="where passed install checks are remembered")
     args = parser.parse_args(argv)
-    settings = json.loads(args.settings)
+    settings = read_config(args.settings)
     problems = run_checks(settings, args.results, target=not args.skip_target, gpus=not args.skip_gpus,
                           install_cache=args.install_cache)  # fmt: skip
     for problem in problems:

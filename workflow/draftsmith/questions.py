@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.atomic import atomic_write_text
+from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.errors import DraftsmithError
 from draftsmith.progress import log
 
@@ -116,12 +117,27 @@ def _read_jsonl(path: Path) -> Iterator[Any]:
                 yield BadRow("malformed JSON line")
 
 
+def is_local_source(source: str) -> bool:
+    """A local file or dataset directory, not a hub id: a file suffix, or a path no hub id
+    (``name`` or ``owner/name``) looks like. A missing local path is an error, never a hub
+    lookup."""
+    return (
+        Path(source).suffix.lower() in LOCAL_SUFFIXES
+        or source.startswith(("/", "./", "../", "~"))
+        or source.count("/") > 1
+    )
+
+
 def read_rows(source: str, split: str = "train", subset: str | None = None) -> Iterator[Any]:
     """Rows of a local file or a Hugging Face dataset; undecodable rows come as BadRow."""
-    path = Path(source)
-    if path.suffix.lower() in LOCAL_SUFFIXES:
+    path = Path(source).expanduser()
+    if is_local_source(source) and not path.is_dir():  # a local dataset directory: datasets reads it
         if not path.is_file():
             raise QuestionsError(f"question source {source} does not exist; fix questions.source")
+        if path.suffix.lower() not in LOCAL_SUFFIXES:
+            raise QuestionsError(
+                f"question source {source} is not .jsonl, .json or .parquet; convert it or fix questions.source"
+            )
         if path.stat().st_size == 0:
             raise QuestionsError(f"question source {source} is empty; point questions.source at a file with questions")
         if path.suffix.lower() == ".jsonl":
@@ -238,10 +254,10 @@ def run(settings: dict, output_dir: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", required=True, help="JSON: the config's questions section")
+    parser.add_argument("--settings", required=True, help=SETTINGS_HELP)
     parser.add_argument("--output-dir", required=True, type=Path)
     args = parser.parse_args(argv)
-    run(json.loads(args.settings), args.output_dir)
+    run(read_settings(args.settings, "questions"), args.output_dir)
 
 
 if __name__ == "__main__":

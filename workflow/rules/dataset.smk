@@ -3,16 +3,15 @@ rule dataset:
         completions=completion_shards(),
         model=target_model_input(),
     output:
-        directory(f"{RESULTS}/dataset"),
+        directory(path(LAYOUT.dataset)),
     log:
-        f"{LOGS}/dataset.log",
+        log_path("dataset"),
     conda:
         CONDA_ENV
     params:
-        settings=settings("target", "dataset"),
-        staging=f"{STAGING}/dataset",
-        versions=software_versions(),
+        tracked=tracked("dataset"),
+        staging=staging("dataset"),
     shell:
-        "python -m draftsmith.dataset --settings {params.settings:q}"
+        "python -m draftsmith.dataset --settings {RUN_CONFIG:q}"
         " --staging {params.staging:q} --output {output:q}"
         " {input.completions:q} > {log:q} 2>&1"

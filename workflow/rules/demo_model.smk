@@ -4,10 +4,11 @@ if config["target"]["build_demo"]:
         output:
             directory(config["target"]["model"]),
         log:
-            f"{LOGS}/demo_model.log",
+            log_path("demo_model"),
         conda:
             CONDA_ENV
         params:
+            tracked=tracked("demo_model"),
             steps=config["target"]["demo_train_steps"],
         shell:
             "python -m draftsmith.demo_model --output {output:q}"

@@ -1,33 +1,32 @@
 rule evaluate:
     input:
-        heldout=f"{RESULTS}/questions/heldout.jsonl",
-        drafter=f"{RESULTS}/drafter",
-        spec_config=f"{RESULTS}/drafter_speculative_config.json",
-        untrained=untrained_baseline_input(),
+        heldout=path(LAYOUT.heldout),
+        drafter=path(LAYOUT.drafter),
+        untrained=untrained_drafter_input(),
         model=target_model_input(),
     output:
-        acceptance=f"{RESULTS}/eval/acceptance.json",
+        acceptance=path(LAYOUT.acceptance),
+        spec_config=path(LAYOUT.speculative_config),
         plot=report(
-            f"{RESULTS}/eval/acceptance.png",
+            path(LAYOUT.acceptance_plot),
             caption="../report/acceptance.rst",
             category="Evaluation",
         ),
     log:
-        f"{LOGS}/evaluate.log",
+        log_path("evaluate"),
     conda:
         CONDA_ENV
     resources:
         gpu=config["gpu_slot"],
     params:
-        settings=settings("target", "server", "evaluation", "device", "gpu_slot"),
+        tracked=tracked("evaluate"),
         untrained=lambda wildcards, input: (
-            f"--untrained-spec-config {shlex.quote(input.untrained[0])}"
+            f"--untrained-drafter {shlex.quote(input.untrained[0])}"
             if input.untrained
             else ""
         ),
-        versions=software_versions(),
     shell:
-        "python -m draftsmith.evaluate --settings {params.settings:q}"
-        " --heldout {input.heldout:q} --spec-config {input.spec_config:q}"
-        " --output {output.acceptance:q} --plot {output.plot:q} {params.untrained}"
-        " --granted-gpus {resources.gpu} > {log:q} 2>&1"
+        "python -m draftsmith.evaluate --settings {RUN_CONFIG:q}"
+        " --heldout {input.heldout:q} --drafter {input.drafter:q} {params.untrained}"
+        " --spec-config {output.spec_config:q} --output {output.acceptance:q}"
+        " --plot {output.plot:q} --granted-gpus {resources.gpu} > {log:q} 2>&1"

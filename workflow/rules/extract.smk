@@ -1,24 +1,21 @@
 rule extract:
     input:
-        dataset=f"{RESULTS}/dataset",
+        dataset=path(LAYOUT.dataset),
         model=target_model_input(),
     output:
-        directory(f"{RESULTS}/hidden_states/shard_{{shard}}"),
+        directory(path(LAYOUT.hidden_state_shard("{shard}"))),
     log:
-        f"{LOGS}/extract/shard_{{shard}}.log",
+        log_path("extract/shard_{shard}"),
     conda:
         CONDA_ENV
     resources:
         gpu=config["gpu_slot"],
     params:
-        settings=settings(
-            "target", "server", "layers", "extraction", "device", "gpu_slot"
-        ),
-        staging=f"{STAGING}/hidden_states/shard_{{shard}}",
+        tracked=tracked("extract"),
+        staging=staging("hidden_states", "{shard}"),
         num_shards=config["extraction"]["shards"],
-        versions=software_versions(),
     shell:
-        "python -m draftsmith.extract --settings {params.settings:q}"
+        "python -m draftsmith.extract --settings {RUN_CONFIG:q}"
         " --dataset {input.dataset:q} --shard {wildcards.shard} --num-shards {params.num_shards}"
         " --staging {params.staging:q} --output {output:q}"
         " --granted-gpus {resources.gpu} > {log:q} 2>&1"
@@ -26,12 +23,12 @@ rule extract:
 
 rule training_view:
     input:
-        dataset=f"{RESULTS}/dataset",
+        dataset=path(LAYOUT.dataset),
         shards=extraction_shards(),
     output:
-        directory(f"{RESULTS}/hidden_states/all"),
+        directory(path(LAYOUT.training_view)),
     log:
-        f"{LOGS}/training_view.log",
+        log_path("training_view"),
     localrule: True
     conda:
         CONDA_ENV

@@ -1,20 +1,19 @@
 rule generate:
     input:
-        questions=f"{RESULTS}/questions/shard_{{shard}}.jsonl",
+        questions=path(LAYOUT.question_shard("{shard}")),
         model=target_model_input(),
     output:
-        f"{RESULTS}/completions/shard_{{shard}}.jsonl",
+        path(LAYOUT.completion_shard("{shard}")),
     log:
-        f"{LOGS}/generate/shard_{{shard}}.log",
+        log_path("generate/shard_{shard}"),
     conda:
         CONDA_ENV
     resources:
         gpu=config["gpu_slot"],
     params:
-        settings=settings("target", "server", "generation", "device", "gpu_slot"),
-        staging=f"{STAGING}/completions/shard_{{shard}}",
-        versions=software_versions(),
+        tracked=tracked("generate"),
+        staging=staging("completions", "{shard}"),
     shell:
-        "python -m draftsmith.generate --settings {params.settings:q}"
+        "python -m draftsmith.generate --settings {RUN_CONFIG:q}"
         " --questions {input.questions:q} --staging {params.staging:q}"
         " --output {output:q} --granted-gpus {resources.gpu} > {log:q} 2>&1"

@@ -3,32 +3,33 @@ rule plan:
     input:
         target_model_input(),
     log:
-        f"{LOGS}/plan.log",
+        log_path("plan"),
     localrule: True
     conda:
         CONDA_ENV
-    params:
-        settings=settings(*config),
     shell:
-        "python -m draftsmith.plan --settings {params.settings:q} 2> {log:q}"
+        "python -m draftsmith.plan --settings {RUN_CONFIG:q} --results {RESULTS:q} 2> {log:q}"
 
 
 # The plan as it stands after the run (measured tokens, bytes on disk), for the report.
+# It reads every result it counts; it tracks no setting (a snapshot of the finished run).
 rule plan_snapshot:
     input:
-        f"{RESULTS}/eval/acceptance.json",
+        acceptance=path(LAYOUT.acceptance),
+        questions=path(LAYOUT.questions_summary),
+        completions=completion_shards(),
+        hidden_states=extraction_shards(),
+        drafter=path(LAYOUT.drafter),
     output:
-        json=f"{RESULTS}/plan.json",
+        json=path(LAYOUT.plan_json),
         table=report(
-            f"{RESULTS}/plan.txt", caption="../report/plan.rst", category="Plan"
+            path(LAYOUT.plan_table), caption="../report/plan.rst", category="Plan"
         ),
     log:
-        f"{LOGS}/plan_snapshot.log",
+        log_path("plan_snapshot"),
     localrule: True
     conda:
         CONDA_ENV
-    params:
-        settings=settings(*config),
     shell:
-        "python -m draftsmith.plan --settings {params.settings:q}"
+        "python -m draftsmith.plan --settings {RUN_CONFIG:q} --results {RESULTS:q}"
         " --output {output.json:q} > /dev/null 2> {log:q}"

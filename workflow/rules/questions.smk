@@ -2,19 +2,17 @@ rule questions:
     input:
         questions_source_input(),
     output:
-        shards=expand(
-            f"{RESULTS}/questions/shard_{{shard}}.jsonl", shard=QUESTION_SHARDS
-        ),
-        heldout=f"{RESULTS}/questions/heldout.jsonl",
-        summary=f"{RESULTS}/questions/summary.json",
+        shards=[path(LAYOUT.question_shard(shard)) for shard in QUESTION_SHARDS],
+        heldout=path(LAYOUT.heldout),
+        summary=path(LAYOUT.questions_summary),
     log:
-        f"{LOGS}/questions.log",
+        log_path("questions"),
     localrule: True
     conda:
         CONDA_ENV
     params:
-        settings=settings("questions"),
-        output_dir=lambda wildcards, output: os.path.dirname(output.summary),
+        tracked=tracked("questions"),
+        output_dir=path(LAYOUT.questions),
     shell:
-        "python -m draftsmith.questions --settings {params.settings:q}"
+        "python -m draftsmith.questions --settings {RUN_CONFIG:q}"
         " --output-dir {params.output_dir:q} > {log:q} 2>&1"

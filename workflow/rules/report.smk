@@ -4,12 +4,12 @@ rule completion_lengths:
         completion_shards(),
     output:
         report(
-            f"{RESULTS}/report/completion_lengths.png",
+            path(LAYOUT.report_file("completion_lengths.png")),
             caption="../report/completion_lengths.rst",
             category="Data",
         ),
     log:
-        f"{LOGS}/report/completion_lengths.log",
+        log_path("report/completion_lengths"),
     localrule: True
     conda:
         CONDA_ENV
@@ -19,15 +19,15 @@ rule completion_lengths:
 
 rule training_curves:
     input:
-        f"{RESULTS}/drafter",
+        path(LAYOUT.drafter),
     output:
         report(
-            f"{RESULTS}/report/training_curves.png",
+            path(LAYOUT.report_file("training_curves.png")),
             caption="../report/training_curves.rst",
             category="Training",
         ),
     log:
-        f"{LOGS}/report/training_curves.log",
+        log_path("report/training_curves"),
     localrule: True
     conda:
         CONDA_ENV
@@ -36,20 +36,20 @@ rule training_curves:
         " {input:q}/training_metrics.json 2> {log:q}"
 
 
+# The config and versions of the run that made the evaluation (re-written with it).
 rule run_metadata:
+    input:
+        path(LAYOUT.acceptance),
     output:
         report(
-            f"{RESULTS}/report/run_metadata.txt",
+            path(LAYOUT.report_file("run_metadata.txt")),
             caption="../report/run_metadata.rst",
             category="Run",
         ),
     log:
-        f"{LOGS}/report/run_metadata.log",
+        log_path("report/run_metadata"),
     localrule: True
     conda:
         CONDA_ENV
-    params:
-        settings=settings(*config),
-        versions=software_versions(),
     shell:
-        "python -m draftsmith.report metadata {output:q} --settings {params.settings:q} 2> {log:q}"
+        "python -m draftsmith.report metadata {output:q} --settings {RUN_CONFIG:q} 2> {log:q}"

@@ -1,65 +1,34 @@
 rule train:
     input:
-        dataset=f"{RESULTS}/dataset",
-        hidden_states=f"{RESULTS}/hidden_states/all",
+        dataset=path(LAYOUT.dataset),
+        hidden_states=path(LAYOUT.training_view),
         model=target_model_input(),
     output:
-        drafter=directory(f"{RESULTS}/drafter"),
-        spec_config=f"{RESULTS}/drafter_speculative_config.json",
+        directory(path(LAYOUT.drafter)),
     log:
-        f"{LOGS}/train.log",
+        log_path("train"),
     conda:
         CONDA_ENV
     resources:
         gpu=config["gpu_slot"],
     params:
-        settings=settings(
-            "target",
-            "server",
-            "layers",
-            "training",
-            "evaluation",
-            "device",
-            "gpu_slot",
-        ),
-        staging=f"{STAGING}/train",
-        versions=software_versions(),
+        tracked=tracked("train"),
+        staging=staging("train"),
+        mode="",
     shell:
-        "python -m draftsmith.train --settings {params.settings:q}"
+        "python -m draftsmith.train {params.mode} --settings {RUN_CONFIG:q}"
         " --dataset {input.dataset:q} --hidden-states {input.hidden_states:q}"
-        " --staging {params.staging:q} --output {output.drafter:q}"
-        " --spec-config {output.spec_config:q} --granted-gpus {resources.gpu} > {log:q} 2>&1"
+        " --staging {params.staging:q} --output {output:q}"
+        " --granted-gpus {resources.gpu} > {log:q} 2>&1"
 
 
 # The evaluation's baseline: the same drafter, initialized but never trained.
-rule untrained_drafter:
-    input:
-        dataset=f"{RESULTS}/dataset",
-        hidden_states=f"{RESULTS}/hidden_states/all",
-        model=target_model_input(),
+use rule train as untrained_drafter with:
     output:
-        drafter=directory(f"{RESULTS}/untrained_drafter"),
-        spec_config=f"{RESULTS}/untrained_drafter_speculative_config.json",
+        directory(path(LAYOUT.untrained_drafter)),
     log:
-        f"{LOGS}/untrained_drafter.log",
-    conda:
-        CONDA_ENV
-    resources:
-        gpu=config["gpu_slot"],
+        log_path("untrained_drafter"),
     params:
-        settings=settings(
-            "target",
-            "server",
-            "layers",
-            "training",
-            "evaluation",
-            "device",
-            "gpu_slot",
-        ),
-        staging=f"{STAGING}/untrained_drafter",
-        versions=software_versions(),
-    shell:
-        "python -m draftsmith.train --untrained --settings {params.settings:q}"
-        " --dataset {input.dataset:q} --hidden-states {input.hidden_states:q}"
-        " --staging {params.staging:q} --output {output.drafter:q}"
-        " --spec-config {output.spec_config:q} --granted-gpus {resources.gpu} > {log:q} 2>&1"
+        tracked=tracked("untrained_drafter"),
+        staging=staging("untrained_drafter"),
+        mode="--untrained",

@@ -1,0 +1,158 @@
+"""The single source of truth for what a change re-runs (draftsmith/settings.py): every key is
+decided, the README says what the code says, the DAG copy matches Snakemake's, and a stage
+sees only the keys its rule accounts for."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import copy_workflow
+from snakemake.utils import validate
+
+from draftsmith import settings
+from draftsmith.settings import (
+    CONSUMERS,
+    EVERYTHING,
+    RULE_ORDER,
+    STAGES,
+    TABLE_EXTRAS,
+    WHERE,
+    config_keys,
+    followers_text,
+    reruns_text,
+    schema_keys,
+    stage_view,
+    table_setting,
+    tracked_settings,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = ROOT / "workflow/schemas/config.schema.yaml"
+README = ROOT / "config/README.md"
+
+
+def demo_config() -> dict:
+    config = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    validate(config, str(SCHEMA))
+    return config
+
+
+def declared_config_keys() -> set[str]:
+    keys = set(WHERE)
+    for stage in STAGES.values():
+        for setting in stage.shaping + stage.extent + stage.operational:
+            keys.update(config_keys(setting))
+    return keys
+
+
+def test_every_key_of_the_schema_is_decided_by_some_stage():
+    undecided = [
+        key for key in schema_keys(SCHEMA)
+        if key not in declared_config_keys() and key.split(".")[0] not in declared_config_keys()
+    ]  # fmt: skip
+    assert undecided == []
+
+
+def test_declared_settings_are_keys_of_the_schema():
+    keys = set(schema_keys(SCHEMA))
+    for setting in declared_config_keys() - set(EVERYTHING):
+        assert setting in keys or any(key.startswith(setting + ".") for key in keys), setting
+
+
+def readme_cells(header: str) -> dict[str, list[str]]:
+    """First-column name -> the other cells, for the table under the given header row."""
+    rows, inside = {}, False
+    for line in README.read_text().splitlines():
+        if line.startswith(header):
+            inside = True
+            continue
+        if inside and not line.startswith("|"):
+            break
+        if inside and not line.startswith("|---"):
+            cells = [cell.strip() for cell in line.strip("|").split(" | ")]
+            rows[cells[0].strip("`")] = cells[1:]
+    return rows
+
+
+def test_the_readme_rerun_column_is_the_code_decision():
+    keys = readme_cells("| key | default | re-runs | meaning |")
+    assert sorted(keys) == sorted(schema_keys(SCHEMA))
+    for key, (_default, reruns, _meaning) in keys.items():
+        assert reruns == reruns_text(key), key
+    extras = readme_cells("| setting | re-runs |")
+    assert list(extras) == TABLE_EXTRAS
+    for row, (reruns,) in extras.items():
+        assert reruns == reruns_text(table_setting(row)), row
+    follows = readme_cells("| rule | followed by |")
+    assert list(follows) == list(RULE_ORDER)
+    for rule, (after,) in follows.items():
+        assert after == followers_text(rule), rule
+
+
+def test_the_dag_copy_matches_snakemakes_rule_graph(tmp_path):
+    workdir = copy_workflow(tmp_path / "workflow")
+    run = subprocess.run([sys.executable, "-m", "snakemake", "--rulegraph", "--forceall"],
+                         cwd=workdir, capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    names = dict(re.findall(r'^\s*(\d+)\[label = "([^"]+)"', run.stdout, re.MULTILINE))
+    edges: dict[str, set[str]] = {name: set() for name in names.values() if name != "all"}
+    for source, target in re.findall(r"^\s*(\d+) -> (\d+)", run.stdout, re.MULTILINE):
+        if names[target] != "all":
+            edges[names[source]].add(names[target])
+    assert edges == {rule: set(consumers) for rule, consumers in CONSUMERS.items()}
+
+
+def test_operational_keys_are_in_no_rules_params():
+    config = demo_config()
+    for rule in RULE_ORDER:
+        tracked = tracked_settings(config, rule)
+        assert "server.startup_timeout_s" not in tracked
+        assert not any(key.startswith("evaluation.") for key in tracked) or rule == "evaluate"
+    assert "evaluation.concurrency" in tracked_settings(config, "evaluate")
+    assert tracked_settings(config, "plan_snapshot") == {}
+
+
+def test_server_options_are_split_by_whether_they_change_numerics():
+    config = demo_config()
+    config["server"]["extra_args"] = ["--dtype", "bfloat16", "--gpu-memory-utilization=0.5",
+                                      "--enforce-eager", "--kv-cache-dtype", "fp8"]  # fmt: skip
+    config["server"]["env"] = {"VLLM_CPU_KVCACHE_SPACE": 1, "VLLM_ATTENTION_BACKEND": "X",
+                               "NCCL_DEBUG": "INFO"}  # fmt: skip
+    generate = tracked_settings(config, "generate")
+    assert generate["server.extra_args[numerics]"] == [["--dtype", "bfloat16"], ["--kv-cache-dtype", "fp8"]]
+    assert generate["server.env[numerics]"] == {"VLLM_ATTENTION_BACKEND": "X"}
+    assert "server.extra_args[other]" not in generate
+    evaluate = tracked_settings(config, "evaluate")
+    assert evaluate["server.extra_args[other]"] == [["--gpu-memory-utilization=0.5"], ["--enforce-eager"]]
+    assert evaluate["server.env[other]"] == {"NCCL_DEBUG": "INFO", "VLLM_CPU_KVCACHE_SPACE": 1}
+
+
+def test_software_versions_are_tracked_only_where_they_shape(monkeypatch):
+    config = demo_config()
+    monkeypatch.setattr(settings, "installed_version", lambda name: f"{name}-1")
+    assert tracked_settings(config, "extract")["software"] == {"vllm": "vllm-1"}
+    assert "software" not in tracked_settings(config, "generate")
+    assert set(tracked_settings(config, "train")["software"]) == {"speculators", "torch", "transformers"}
+
+
+def test_the_trainer_process_count_is_tracked_not_the_slot_itself():
+    config = demo_config()
+    before = tracked_settings(config, "train")
+    assert tracked_settings({**config, "gpu_slot": 8}, "train") == before  # cpu: one process
+    cuda = {**config, "device": "cuda"}
+    assert tracked_settings({**cuda, "gpu_slot": 8}, "train") != tracked_settings(cuda, "train")
+
+
+def test_a_stage_sees_only_what_its_rule_declares():
+    view = stage_view(demo_config(), "evaluate")
+    assert view["evaluation"]["concurrency"] == 8
+    assert view["server"]["extra_args"]  # a derived setting brings its key
+    with pytest.raises(KeyError):
+        view["generation"]
+    with pytest.raises(KeyError):
+        view["training"]
+    assert stage_view({"target": {"model": "m"}}, "generate") == {"target": {"model": "m"}}
+    assert stage_view(demo_config(), "run_metadata") == demo_config()

@@ -1,0 +1,133 @@
+"""Where every result lives: the one place that spells a path or a file name under results_dir.
+
+The rule files (through ``common.smk``) and the stages both import this module, so the
+layout the DAG declares and the layout the stages read (the plan, the training view,
+the gate) cannot drift apart. Shard arguments may be a number or Snakemake's wildcard
+text ``"{shard}"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+HIDDEN_STATE_GLOB = "hs_*.safetensors"
+SHARD_MANIFEST = "manifest.json"
+
+
+def hidden_state_file(directory: Path | str, row: int) -> Path:
+    """The file of dataset row ``row``: the name vLLM's connector path is staged under and
+    the name `speculators train` reads (its FileTransfer looks up ``hs_<row>``)."""
+    return Path(directory) / f"hs_{row}.safetensors"
+
+
+def hidden_state_row(path: Path) -> int:
+    return int(path.stem.removeprefix("hs_"))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The results directory of one config (``results_dir``); nothing outside it is written."""
+
+    results: Path
+
+    def __init__(self, results: Path | str):
+        object.__setattr__(self, "results", Path(results))
+
+    # Work in progress, outside every declared output (Snakemake deletes those on rerun).
+    @property
+    def staging(self) -> Path:
+        return self.results / ".staging"
+
+    def staging_for(self, stage: str, shard: int | str | None = None) -> Path:
+        base = self.staging / stage
+        return base if shard is None else base / f"shard_{shard}"
+
+    @property
+    def run_config(self) -> Path:
+        """The validated config of the latest start, read by every job (see settings.py)."""
+        return self.staging / "config.json"
+
+    @property
+    def preflight_record(self) -> Path:
+        return self.staging / "preflight.json"
+
+    @property
+    def logs(self) -> Path:
+        return self.results / "logs"
+
+    def log(self, name: str) -> Path:
+        return self.logs / f"{name}.log"
+
+    # questions
+    @property
+    def questions(self) -> Path:
+        return self.results / "questions"
+
+    def question_shard(self, shard: int | str) -> Path:
+        return self.questions / f"shard_{shard}.jsonl"
+
+    @property
+    def heldout(self) -> Path:
+        return self.questions / "heldout.jsonl"
+
+    @property
+    def questions_summary(self) -> Path:
+        return self.questions / "summary.json"
+
+    # generation
+    @property
+    def completions(self) -> Path:
+        return self.results / "completions"
+
+    def completion_shard(self, shard: int | str) -> Path:
+        return self.completions / f"shard_{shard}.jsonl"
+
+    # dataset, hidden states, training
+    @property
+    def dataset(self) -> Path:
+        return self.results / "dataset"
+
+    @property
+    def hidden_states(self) -> Path:
+        return self.results / "hidden_states"
+
+    def hidden_state_shard(self, shard: int | str) -> Path:
+        return self.hidden_states / f"shard_{shard}"
+
+    @property
+    def training_view(self) -> Path:
+        return self.hidden_states / "all"
+
+    @property
+    def drafter(self) -> Path:
+        return self.results / "drafter"
+
+    @property
+    def untrained_drafter(self) -> Path:
+        return self.results / "untrained_drafter"
+
+    # evaluation (it owns the serving config: num_speculative_tokens is its setting)
+    @property
+    def speculative_config(self) -> Path:
+        return self.results / "drafter_speculative_config.json"
+
+    @property
+    def acceptance(self) -> Path:
+        return self.results / "eval" / "acceptance.json"
+
+    @property
+    def acceptance_plot(self) -> Path:
+        return self.results / "eval" / "acceptance.png"
+
+    # the plan and the report
+    @property
+    def plan_json(self) -> Path:
+        return self.results / "plan.json"
+
+    @property
+    def plan_table(self) -> Path:
+        return self.results / "plan.txt"
+
+    def report_file(self, name: str) -> Path:
+        return self.results / "report" / name

@@ -1,0 +1,380 @@
+"""Which settings shape which results: the single source of truth for what a change re-runs.
+
+Every rule declares the config keys it reads, split by what a change of them means:
+
+- ``shaping``: what every item of its output holds (the model, max_tokens, layers...).
+  Tracked as the rule's params, so a change re-runs it; staged work made under other
+  values is set aside (its fingerprint is ``item_settings``).
+- ``extent``: how much work the output holds, not what an item holds (shards, epochs).
+  Tracked too, but finished items stay valid and are reused by the re-run.
+- ``operational``: how fast, how patient, how many at once, on which GPUs. Read, never
+  tracked: changing them re-runs nothing.
+- ``software``: distributions whose upgrade changes what the rule makes (tracked).
+
+The rules' params (``workflow/rules/common.smk``), the staged-work fingerprints, the
+"re-runs" column of config/README.md and the invalidation-matrix test all derive from
+``STAGES``. Snakemake tracks params, not what a job reads, so the whole config reaches
+the jobs as a file (``Layout.run_config``, written at every start) and each job sees only
+the keys its rule declares (``stage_view``).
+
+    python -m draftsmith.settings      # prints the "re-runs" table
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# --- server options that do not change the numbers a server computes ----------------------
+# Everything else in server.extra_args / server.env is presumed to change them (--dtype,
+# --quantization, --kv-cache-dtype, an attention backend...): an unknown option re-runs
+# rather than risk mixing numerics. These only move memory, batching, logging or placement.
+OPERATIONAL_SERVER_FLAGS = frozenset({
+    "--gpu-memory-utilization", "--enforce-eager", "--max-num-seqs", "--max-num-batched-tokens",
+    "--swap-space", "--cpu-offload-gb", "--kv-cache-memory-bytes", "--num-gpu-blocks-override",
+    "--disable-log-stats", "--disable-log-requests", "--enable-log-requests",
+    "--uvicorn-log-level", "--download-dir", "--max-parallel-loading-workers",
+    "--disable-custom-all-reduce", "--distributed-executor-backend", "--enable-prefix-caching",
+    "--no-enable-prefix-caching", "--enable-chunked-prefill", "--no-enable-chunked-prefill",
+})  # fmt: skip
+OPERATIONAL_SERVER_ENV = frozenset({
+    "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE", "HF_HOME", "VLLM_LOGGING_LEVEL", "VLLM_CACHE_ROOT",
+    "VLLM_RPC_TIMEOUT", "VLLM_ENGINE_READY_TIMEOUT_S", "VLLM_WORKER_MULTIPROC_METHOD",
+    "CUDA_VISIBLE_DEVICES", "TORCHINDUCTOR_CACHE_DIR",
+})  # fmt: skip
+OPERATIONAL_ENV_PREFIXES = ("NCCL_",)
+
+# Distributions by the name a table row uses; the first one installed is the version.
+SOFTWARE = {
+    "vllm": ("vllm", "vllm-cpu"),
+    "speculators": ("speculators",),
+    "torch": ("torch",),
+    "transformers": ("transformers",),
+}
+
+
+def server_flag_groups(args: Iterable[str]) -> list[list[str]]:
+    """``["--dtype", "bf16", "--enforce-eager"]`` -> ``[["--dtype", "bf16"], ["--enforce-eager"]]``."""
+    groups: list[list[str]] = []
+    for arg in args:
+        if arg.startswith("--") or not groups:
+            groups.append([arg])
+        else:
+            groups[-1].append(arg)
+    return groups
+
+
+def _operational_flag(group: list[str]) -> bool:
+    return group[0].split("=", 1)[0] in OPERATIONAL_SERVER_FLAGS
+
+
+def _operational_env(name: str) -> bool:
+    return name in OPERATIONAL_SERVER_ENV or name.startswith(OPERATIONAL_ENV_PREFIXES)
+
+
+def _trainer_processes(config: dict) -> int:
+    """One trainer process per GPU of the slot on cuda (it sets the global batch); 1 on cpu."""
+    return config["gpu_slot"] if config["device"] == "cuda" else 1
+
+
+# Settings that are not config keys themselves: a part of one, or a value computed from some.
+# name -> (the config keys it comes from, how)
+DERIVED = {
+    "server.extra_args[numerics]": (("server.extra_args",), lambda c: [
+        g for g in server_flag_groups(c["server"]["extra_args"]) if not _operational_flag(g)]),
+    "server.extra_args[other]": (("server.extra_args",), lambda c: [
+        g for g in server_flag_groups(c["server"]["extra_args"]) if _operational_flag(g)]),
+    "server.env[numerics]": (("server.env",), lambda c: {
+        k: v for k, v in sorted(c["server"]["env"].items()) if not _operational_env(k)}),
+    "server.env[other]": (("server.env",), lambda c: {
+        k: v for k, v in sorted(c["server"]["env"].items()) if _operational_env(k)}),
+    "trainer_processes": (("device", "gpu_slot"), _trainer_processes),
+}  # fmt: skip
+
+# The keys that say where results go: a new value starts over in the new place.
+WHERE = ("results_dir",)
+EVERYTHING = ("*",)  # a stage that reads the whole config (the run metadata)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """The settings one rule reads, by what a change of them means (module docstring)."""
+
+    shaping: tuple[str, ...] = ()
+    extent: tuple[str, ...] = ()
+    operational: tuple[str, ...] = ()
+    software: tuple[str, ...] = ()
+
+    @property
+    def tracked(self) -> tuple[str, ...]:
+        return self.shaping + self.extent
+
+
+SERVER_PLACEMENT = ("device", "gpu_slot", "server.tensor_parallel_size",
+                    "server.data_parallel_size")  # fmt: skip
+SERVER_PATIENCE = ("server.max_model_len", "server.startup_timeout_s", "target.trust_remote_code")
+SERVER_NUMERICS = ("server.extra_args[numerics]", "server.env[numerics]")
+SERVER_OTHER = ("server.extra_args[other]", "server.env[other]")
+# Rules that take the demo target as an input when the workflow builds it.
+TARGET_READERS = ("generate", "dataset", "extract", "train", "untrained_drafter", "evaluate")
+DRAFTER_SHAPE = ("target.model", "layers", "training.draft_vocab_size", "training.num_layers",
+                 "training.seed", "training.extra_args")  # fmt: skip
+TRAINING_TIME = ("training.epochs", "training.lr", "training.total_seq_len")
+PLAN_READS = ("target.model", "layers", "questions", "generation.max_tokens",
+              "generation.endpoint", "dataset.seq_length", "extraction.shards", "gpu_slot",
+              "server.tensor_parallel_size", "server.data_parallel_size")  # fmt: skip
+
+STAGES: dict[str, Stage] = {
+    "demo_model": Stage(shaping=("target.model", "target.demo_train_steps")),
+    "questions": Stage(shaping=("questions.source", "questions.split", "questions.subset",
+                                "questions.limit", "questions.heldout", "questions.shards",
+                                "questions.seed")),  # fmt: skip
+    # Answers are samples of the target: the engine that drew them (TP, device, vLLM
+    # release) does not make a finished answer wrong, so only what the sample means counts.
+    "generate": Stage(
+        shaping=("target.model", "generation.max_tokens", "generation.sampling",
+                 "generation.endpoint", *SERVER_NUMERICS),
+        extent=("target.build_demo",),
+        operational=(*SERVER_PLACEMENT, *SERVER_PATIENCE, *SERVER_OTHER, "generation.concurrency",
+                     "generation.request_timeout_s", "generation.max_retries",
+                     "generation.max_error_fraction"),
+    ),  # fmt: skip
+    "dataset": Stage(
+        shaping=("target.model", "dataset.seq_length", "dataset.min_trainable_tokens"),
+        extent=("target.build_demo",),
+        operational=("target.trust_remote_code",),
+        software=("speculators", "transformers"),
+    ),
+    # Hidden states are the numbers the drafter learns: what computes them counts (layers,
+    # numerics flags, the vLLM release), not where (TP, device: within bf16 noise).
+    "extract": Stage(
+        shaping=("target.model", "layers", *SERVER_NUMERICS),
+        extent=("target.build_demo", "extraction.shards"),
+        operational=(*SERVER_PLACEMENT, *SERVER_PATIENCE, *SERVER_OTHER, "extraction.concurrency",
+                     "extraction.request_timeout_s", "extraction.max_retries"),
+        software=("vllm",),
+    ),  # fmt: skip
+    "training_view": Stage(),
+    "train": Stage(
+        shaping=(*DRAFTER_SHAPE, "training.lr", "training.total_seq_len", "trainer_processes"),
+        extent=("target.build_demo", "training.epochs"),  # more epochs continue the checkpoints
+        operational=(*SERVER_PLACEMENT, "target.trust_remote_code", "training.stall_timeout_s"),
+        software=("speculators", "torch", "transformers"),
+    ),
+    # speculators' dry run: initialized, never trained, so the training schedule is moot.
+    "untrained_drafter": Stage(
+        shaping=DRAFTER_SHAPE,
+        extent=("target.build_demo",),
+        operational=(*SERVER_PLACEMENT, *TRAINING_TIME, "target.trust_remote_code",
+                     "training.stall_timeout_s"),
+        software=("speculators", "torch", "transformers"),
+    ),  # fmt: skip
+    # The evaluation measures throughput too, and every server option can move that.
+    "evaluate": Stage(
+        shaping=("target.model", "device", "server.tensor_parallel_size",
+                 "server.data_parallel_size", *SERVER_NUMERICS, *SERVER_OTHER,
+                 "evaluation.num_speculative_tokens", "evaluation.max_tokens",
+                 "evaluation.concurrency", "evaluation.compare_untrained", "evaluation.limit"),
+        extent=("target.build_demo",),
+        operational=("gpu_slot", *SERVER_PATIENCE),
+        software=("vllm",),
+    ),  # fmt: skip
+    # Snapshots of the finished run: they re-run with the evaluation they read, and track
+    # nothing themselves (a timeout change must not rewrite the report's plan).
+    "plan_snapshot": Stage(operational=PLAN_READS),
+    "run_metadata": Stage(operational=EVERYTHING),
+    "completion_lengths": Stage(),
+    "training_curves": Stage(),
+    "plan": Stage(operational=PLAN_READS),  # `snakemake plan`: printed, not a result
+}
+
+# Which rules read each rule's output (the DAG; tests/test_settings.py checks it against
+# Snakemake's own). A rule that re-runs re-runs everything that reads it.
+CONSUMERS: dict[str, tuple[str, ...]] = {
+    "demo_model": TARGET_READERS,
+    "questions": ("generate", "evaluate", "plan_snapshot"),
+    "generate": ("dataset", "completion_lengths", "plan_snapshot"),
+    "dataset": ("extract", "training_view", "train", "untrained_drafter"),
+    "extract": ("training_view", "plan_snapshot"),
+    "training_view": ("train", "untrained_drafter"),
+    "train": ("evaluate", "training_curves", "plan_snapshot"),
+    "untrained_drafter": ("evaluate",),
+    "evaluate": ("plan_snapshot", "run_metadata"),
+    "completion_lengths": (),
+    "training_curves": (),
+    "plan_snapshot": (),
+    "run_metadata": (),
+}
+RULE_ORDER = tuple(CONSUMERS)
+
+
+# --- values --------------------------------------------------------------------------------
+
+
+def lookup(config: dict, key: str) -> Any:
+    """The value of a dotted key, or of a derived setting (``DERIVED``)."""
+    if key in DERIVED:
+        return DERIVED[key][1](config)
+    value: Any = config
+    for part in key.split("."):
+        value = value[part]
+    return value
+
+
+def _lookup_or_none(config: dict, key: str) -> Any:
+    """A key a hand-written partial config leaves out (an optional one) counts as None."""
+    try:
+        return lookup(config, key)
+    except KeyError:
+        return None
+
+
+def config_keys(key: str) -> tuple[str, ...]:
+    """The real config keys behind a declared setting."""
+    return DERIVED[key][0] if key in DERIVED else (key,)
+
+
+def installed_version(name: str) -> str:
+    for distribution in SOFTWARE[name]:
+        try:
+            return metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def tracked_settings(config: dict, rule: str) -> dict[str, Any]:
+    """What the rule's params carry: a change of any of these re-runs it."""
+    stage = STAGES[rule]
+    values = {key: lookup(config, key) for key in stage.tracked}
+    if stage.software:
+        values["software"] = {name: installed_version(name) for name in stage.software}
+    return values
+
+
+def item_settings(config: dict, rule: str) -> dict[str, Any]:
+    """What each staged item of the rule depends on: staged work made under other values
+    is set aside. Extent settings are left out, so more shards or epochs reuse it."""
+    stage = STAGES[rule]
+    values = {key: _lookup_or_none(config, key) for key in stage.shaping}
+    values["software"] = {name: installed_version(name) for name in stage.software}
+    return values
+
+
+def stage_view(config: dict, rule: str) -> dict:
+    """The config restricted to what the rule declares: reading any other key is a KeyError,
+    so a stage cannot depend on a setting its rule does not account for. Keys absent
+    from ``config`` (a hand-written partial config) are left out."""
+    stage = STAGES[rule]
+    declared = stage.shaping + stage.extent + stage.operational
+    if EVERYTHING[0] in declared:
+        return copy.deepcopy(config)
+    view: dict = {}
+    for key in {real for setting in declared for real in config_keys(setting)}:
+        source, target, *path = config, view, *key.split(".")
+        for part in path[:-1]:
+            if part not in source:
+                break
+            source, target = source[part], target.setdefault(part, {})
+        else:
+            if path[-1] in source:
+                target[path[-1]] = copy.deepcopy(source[path[-1]])
+    return view
+
+
+def dumps(values: dict) -> str:
+    """Params as Snakemake stores them: one stable string."""
+    return json.dumps(values, sort_keys=True)
+
+
+# --- what a change re-runs -----------------------------------------------------------------
+
+
+def downstream(rules: Iterable[str]) -> set[str]:
+    """The rules and everything that reads their outputs, transitively."""
+    found, todo = set(), list(rules)
+    while todo:
+        rule = todo.pop()
+        if rule not in found:
+            found.add(rule)
+            todo.extend(CONSUMERS.get(rule, ()))
+    return found
+
+
+def rules_tracking(setting: str) -> list[str]:
+    """Rules that track a declared setting, a config key (through any setting derived from
+    it) or a software name."""
+    rules = []
+    for rule, stage in STAGES.items():
+        sources = {real for tracked in stage.tracked for real in (tracked, *config_keys(tracked))}
+        if setting in sources or setting in stage.software:
+            rules.append(rule)
+    return rules
+
+
+def reruns(setting: str) -> list[str]:
+    """The rules a change of ``setting`` re-runs, in pipeline order."""
+    if setting in WHERE:
+        return list(RULE_ORDER)
+    found = downstream(rules_tracking(setting))
+    return [rule for rule in RULE_ORDER if rule in found]
+
+
+def reruns_text(setting: str) -> str:
+    """The README's "re-runs" cell: the rules that track the setting, and what follows them
+    (``followers_text``)."""
+    if setting in WHERE:
+        return "everything, in the new directory"
+    rules = [rule for rule in RULE_ORDER if rule in rules_tracking(setting)]
+    return ", ".join(f"`{rule}`" for rule in rules) + " and what follows" if rules else "nothing"
+
+
+def followers_text(rule: str) -> str:
+    """What follows a rule: the README's table of what re-runs after each one."""
+    after = [other for other in RULE_ORDER if other in downstream([rule]) - {rule}]
+    return ", ".join(f"`{other}`" for other in after) or "nothing"
+
+
+def schema_keys(schema_path: Path) -> list[str]:
+    """Every settable key of the schema, dotted (objects without properties are one key)."""
+    schema = yaml.safe_load(schema_path.read_text())
+
+    def walk(properties: dict, prefix: str) -> list[str]:
+        keys = []
+        for name, spec in properties.items():
+            if spec.get("type") == "object" and "properties" in spec:
+                keys += walk(spec["properties"], f"{prefix}{name}.")
+            else:
+                keys.append(prefix + name)
+        return keys
+
+    return walk(schema["properties"], "")
+
+
+# The rows of config/README.md's tables that are not plain keys.
+TABLE_EXTRAS = [key for key in DERIVED if "[" in key] + [f"software: {name}" for name in SOFTWARE]
+
+
+def table_setting(row: str) -> str:
+    return row.removeprefix("software: ")
+
+
+def main() -> None:
+    schema = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
+    for key in [*schema_keys(schema), *TABLE_EXTRAS]:
+        print(f"| `{key}` | {reruns_text(table_setting(key))} |")
+    print()
+    for rule in RULE_ORDER:
+        print(f"| `{rule}` | {followers_text(rule)} |")
+
+
+if __name__ == "__main__":
+    main()
