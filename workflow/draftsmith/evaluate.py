@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import time
 import urllib.request
@@ -32,8 +33,10 @@ from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.client import SPECULATORS_CLIENT, chat_poster, open_session
 from draftsmith.errors import DraftsmithError
+from draftsmith.plan import read_target_config
 from draftsmith.progress import Progress, log
 from draftsmith.server import Endpoint, ServerSpec, import_in_background, managed_server
+from draftsmith.serving import EvaluationAttention, evaluation_attention
 from draftsmith.slot import check_gpu_slot
 
 SPEC_METRIC_PREFIX = "vllm:spec_decode_num_"
@@ -113,9 +116,11 @@ async def answer_all(endpoint: Endpoint, questions: list[dict], evaluation: dict
     return completion_tokens, time.monotonic() - started
 
 
-def measure(settings: dict, questions: list[dict], speculative_config: dict | None, label: str) -> Measurement:
+def measure(settings: dict, questions: list[dict], speculative_config: dict | None, label: str,
+            attention: EvaluationAttention) -> Measurement:  # fmt: skip
     extra = ["--speculative-config", json.dumps(speculative_config)] if speculative_config else []
     spec = ServerSpec.from_config(settings, extra_args=extra)
+    spec = dataclasses.replace(spec, env={**spec.env, **attention.server_env()})
     import_in_background(SPECULATORS_CLIENT)
     with managed_server(spec) as endpoint:
         tokens, seconds = asyncio.run(answer_all(endpoint, questions, settings["evaluation"], label))
@@ -201,13 +206,21 @@ def run(settings: dict, heldout: Path, drafter: Path, spec_config: Path, output:
     check_gpu_slot(settings, granted_gpus)
     questions = read_heldout(heldout, settings["evaluation"]["limit"])
     k = settings["evaluation"]["num_speculative_tokens"]
+    # Every evaluation server runs the target the same way, so the speedup compares like with like.
+    attention = evaluation_attention(read_target_config(settings["target"]["model"]), settings["device"])
+    if attention.mla_disabled:
+        log(attention.reason)
     log(f"evaluating on {len(questions)} held-out questions")
-    without = measure(settings, questions, None, "target alone")
-    with_drafter = measure(settings, questions, speculative_config(drafter, k), "target + drafter")
+    without = measure(settings, questions, None, "target alone", attention)
+    with_drafter = measure(settings, questions, speculative_config(drafter, k), "target + drafter", attention)
     untrained = None
     if untrained_drafter is not None:
-        untrained = measure(settings, questions, speculative_config(untrained_drafter, k), "untrained drafter")
+        untrained = measure(settings, questions, speculative_config(untrained_drafter, k),
+                            "untrained drafter", attention)  # fmt: skip
     result = summarize(with_drafter, without, untrained, k)
+    result["mla_disabled"] = attention.mla_disabled
+    if attention.mla_disabled:
+        result["mla_disabled_because"] = attention.reason
     plot(result, plot_path)
     atomic_write_text(spec_config, json.dumps(speculative_config(drafter, k)) + "\n")
     atomic_write_text(output, json.dumps(result, indent=2) + "\n")

@@ -37,6 +37,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.layers import LayerConfigError, resolve_layers
 from draftsmith.plan import existing_parent, plan_for, read_target_config
 from draftsmith.questions import is_local_source
+from draftsmith.serving import MLA_DISABLE_ENV, ServingError, evaluation_attention, mla_latent_problem
 
 # (module, attribute): what draftsmith imports or loads from the two libraries.
 REQUIRED_NAMES = [
@@ -237,6 +238,7 @@ def check_target(settings: dict) -> list[str]:
             f"training.draft_vocab_size {draft_vocab} exceeds the target's vocabulary of {vocab}; "
             f"set it to at most {vocab}"
         )
+    problems += check_serving(target, settings)
     seq_length, max_model_len = settings["dataset"]["seq_length"], settings["server"]["max_model_len"]
     if max_model_len < seq_length + 1:
         problems.append(
@@ -254,6 +256,24 @@ def check_local_inputs(settings: dict) -> list[str]:
         return [f"questions.source {source} does not exist (a local path, not a hub id); "
                 "fix the path in the config"]  # fmt: skip
     return []
+
+
+def check_serving(text_config: dict, settings: dict) -> list[str]:
+    """An MLA target: whether the installed vLLM's attention backends can serve it, and
+    with an EAGLE-3 drafter (serving.py), on this device."""
+    if str(settings["server"]["env"].get(MLA_DISABLE_ENV, "0")) == "1":
+        return []  # every server runs ordinary attention
+    try:
+        problem = mla_latent_problem(text_config, settings["device"])
+        attention = evaluation_attention(text_config, settings["device"])
+    except ServingError as error:
+        return [str(error)]
+    except ImportError as error:  # that device's backends are not in this build
+        print(f"preflight: attention backends for {settings['device']} not inspected ({error})", file=sys.stderr)
+        return []
+    if attention.mla_disabled:
+        print(f"preflight: {attention.reason}", file=sys.stderr)
+    return [problem] if problem else []
 
 
 def check_gpus(settings: dict) -> list[str]:
