@@ -4,6 +4,7 @@ from snakemake.exceptions import WorkflowError
 from snakemake.utils import min_version, validate
 
 from draftsmith.config_check import config_problem
+from draftsmith.preflight import check_local_inputs
 
 min_version("9.0")
 
@@ -19,6 +20,10 @@ if not workflow.overwrite_configfiles:
 if problem := config_problem(config, "workflow/schemas/config.schema.yaml"):
     raise WorkflowError(problem)
 validate(config, "workflow/schemas/config.schema.yaml")
+# Paths the config names must exist, checked on every start (dry runs too): Snakemake does
+# not look at the inputs of a finished job, so a mistyped path would pass as "nothing to do".
+if missing := check_local_inputs(config):
+    raise WorkflowError(f"config: {missing[0]}")
 
 
 # common.smk puts this interpreter's bin first on PATH, so jobs run in the same environment.

@@ -133,7 +133,8 @@ PLAN_READS = ("target.model", "layers", "questions", "generation.max_tokens",
               "server.tensor_parallel_size", "server.data_parallel_size")  # fmt: skip
 
 STAGES: dict[str, Stage] = {
-    "demo_model": Stage(shaping=("target.model", "target.demo_train_steps")),
+    "demo_model": Stage(shaping=("target.model", "target.demo_architecture",
+                                 "target.demo_train_steps")),
     "questions": Stage(shaping=("questions.source", "questions.split", "questions.subset",
                                 "questions.limit", "questions.heldout", "questions.shards",
                                 "questions.seed")),  # fmt: skip
@@ -322,8 +323,8 @@ def rules_tracking(setting: str) -> list[str]:
 
 def reruns(setting: str) -> list[str]:
     """The rules a change of ``setting`` re-runs, in pipeline order."""
-    if setting in WHERE:
-        return list(RULE_ORDER)
+    if setting in WHERE:  # the demo target is built at target.model, not under results_dir
+        return [rule for rule in RULE_ORDER if rule != "demo_model"]
     found = downstream(rules_tracking(setting))
     return [rule for rule in RULE_ORDER if rule in found]
 
@@ -332,7 +333,7 @@ def reruns_text(setting: str) -> str:
     """The README's "re-runs" cell: the rules that track the setting, and what follows them
     (``followers_text``)."""
     if setting in WHERE:
-        return "everything, in the new directory"
+        return "everything, in the new directory (a built demo target stays at `target.model`)"
     rules = [rule for rule in RULE_ORDER if rule in rules_tracking(setting)]
     return ", ".join(f"`{rule}`" for rule in rules) + " and what follows" if rules else "nothing"
 
