@@ -19,6 +19,7 @@ from draftsmith import speculators_cpu
 from draftsmith.demo_model import build_demo_model
 from draftsmith.layers import resolve_layers
 from draftsmith.slot import GpuSlotError
+from draftsmith import train
 from draftsmith.train import (
     TrainError,
     TrainPaths,
@@ -186,10 +187,13 @@ def test_cuda_runs_one_torchrun_process_per_gpu_of_the_slot(tmp_path, monkeypatc
                             "--verifier-name-or-path"]  # fmt: skip
     flags = " ".join(command)
     assert " --target-layer-ids 3 31 59 --" in flags
-    for expected in ("--on-missing raise", "--num-workers 0", "--draft-attn-impl sdpa",
-                     "--loss-implementation eager", f"--save-path {paths.checkpoints}",
-                     f"--hidden-states-path {tmp_path / 'hs'}"):
+    for expected in ("--on-missing raise", "--loss-implementation eager",
+                     f"--save-path {paths.checkpoints}", f"--hidden-states-path {tmp_path / 'hs'}"):
         assert expected in flags
+    # The CPU-only flags stay off a GPU run (GPU configs need no extra_args to undo them).
+    assert "--num-workers" not in flags and "--hidden-states-dtype" not in flags
+    cpu = train_command(settings(Path("/models/demo")), resolve_layers(LAYERS, 6), paths, 1)
+    assert " ".join(train.CPU_TRAINER_FLAGS) in " ".join(cpu)
     with pytest.raises(GpuSlotError, match="granted 4"):
         training_processes(kimi, granted=4)
 

@@ -58,7 +58,7 @@ TRAIN_FLAGS = [
     "--verifier-name-or-path", "--target-layer-ids", "--token-freq-path", "--draft-vocab-size",
     "--epochs", "--lr", "--total-seq-len", "--seed", "--save-path", "--data-path",
     "--hidden-states-path", "--on-missing", "--num-workers", "--draft-attn-impl",
-    "--loss-implementation", "--num-layers",
+    "--loss-implementation", "--num-layers", "--hidden-states-dtype",
 ]  # fmt: skip
 # `speculators prepare-data` options the dataset stage passes (its typer parameters).
 PREPARE_DATA_PARAMETERS = [

@@ -165,14 +165,16 @@ STAGES: dict[str, Stage] = {
     ),  # fmt: skip
     "training_view": Stage(),
     "train": Stage(
-        shaping=(*DRAFTER_SHAPE, "training.lr", "training.total_seq_len", "trainer_processes"),
+        # The device picks the trainer's flags (fp32 on a CPU) and, with gpu_slot, its processes.
+        shaping=(*DRAFTER_SHAPE, "training.lr", "training.total_seq_len", "device",
+                 "trainer_processes"),
         extent=("target.build_demo", "training.epochs"),  # more epochs continue the checkpoints
         operational=(*SERVER_PLACEMENT, "target.trust_remote_code", "training.stall_timeout_s"),
         software=("speculators", "torch", "transformers"),
     ),
     # speculators' dry run: initialized, never trained, so the training schedule is moot.
     "untrained_drafter": Stage(
-        shaping=DRAFTER_SHAPE,
+        shaping=(*DRAFTER_SHAPE, "device"),
         extent=("target.build_demo",),
         operational=(*SERVER_PLACEMENT, *TRAINING_TIME, "target.trust_remote_code",
                      "training.stall_timeout_s"),

@@ -53,6 +53,11 @@ from draftsmith.slot import GpuSlotError, check_gpu_slot
 from draftsmith.speculators_cpu import METRICS_FILE_ENV
 
 DRAFTER_FILES = ("config.json", "model.safetensors")  # what vLLM loads; no optimizer state
+# On a CPU only: no dataloader workers, attention without flex-attention's compiler, and
+# fp32 compute. speculators autocasts to bf16 by default, and on a CPU without AVX512-BF16
+# or AMX (an AVX2 EPYC here) bf16 matmuls fall back to a naive kernel: a demo step took
+# 19.3 s of CPU in bf16 and 4.1 s in fp32 (torch.profiler, 3 steps).
+CPU_TRAINER_FLAGS = ["--num-workers", "0", "--draft-attn-impl", "sdpa", "--hidden-states-dtype", "float32"]
 SHOW_MISSING = 5
 
 
@@ -188,10 +193,10 @@ def speculators_args(settings: dict, plan: LayerPlan, paths: TrainPaths) -> list
         "--data-path", str(paths.dataset),
         "--hidden-states-path", str(paths.hidden_states),
         "--on-missing", "raise",  # never fall back to generating through a vLLM endpoint
-        "--num-workers", "0",
-        "--draft-attn-impl", "sdpa",
         "--loss-implementation", "eager",  # the fused Triton loss crashed under torch.compile
     ]  # fmt: skip
+    if settings["device"] == "cpu":
+        argv += CPU_TRAINER_FLAGS
     if settings["target"]["trust_remote_code"]:
         argv.append("--trust-remote-code")
     return argv + list(training["extra_args"])

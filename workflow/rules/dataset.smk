@@ -10,8 +10,9 @@ rule dataset:
         CONDA_ENV
     params:
         tracked=tracked("dataset"),
+        config=RUN_CONFIG,
         staging=staging("dataset"),
     shell:
-        "python -m draftsmith.dataset --settings {RUN_CONFIG:q}"
+        "python -m draftsmith.dataset --settings {params.config:q}"
         " --staging {params.staging:q} --output {output:q}"
         " {input.completions:q} > {log:q} 2>&1"

@@ -20,13 +20,14 @@ rule evaluate:
         gpu=config["gpu_slot"],
     params:
         tracked=tracked("evaluate"),
+        config=RUN_CONFIG,
         untrained=lambda wildcards, input: (
             f"--untrained-drafter {shlex.quote(input.untrained[0])}"
             if input.untrained
             else ""
         ),
     shell:
-        "python -m draftsmith.evaluate --settings {RUN_CONFIG:q}"
+        "python -m draftsmith.evaluate --settings {params.config:q}"
         " --heldout {input.heldout:q} --drafter {input.drafter:q} {params.untrained}"
         " --spec-config {output.spec_config:q} --output {output.acceptance:q}"
         " --plot {output.plot:q} --granted-gpus {resources.gpu} > {log:q} 2>&1"

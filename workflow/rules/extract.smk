@@ -12,10 +12,11 @@ rule extract:
         gpu=config["gpu_slot"],
     params:
         tracked=tracked("extract"),
+        config=RUN_CONFIG,
         staging=staging("hidden_states", "{shard}"),
         num_shards=config["extraction"]["shards"],
     shell:
-        "python -m draftsmith.extract --settings {RUN_CONFIG:q}"
+        "python -m draftsmith.extract --settings {params.config:q}"
         " --dataset {input.dataset:q} --shard {wildcards.shard} --num-shards {params.num_shards}"
         " --staging {params.staging:q} --output {output:q}"
         " --granted-gpus {resources.gpu} > {log:q} 2>&1"

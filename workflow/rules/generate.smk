@@ -12,8 +12,9 @@ rule generate:
         gpu=config["gpu_slot"],
     params:
         tracked=tracked("generate"),
+        config=RUN_CONFIG,
         staging=staging("completions", "{shard}"),
     shell:
-        "python -m draftsmith.generate --settings {RUN_CONFIG:q}"
+        "python -m draftsmith.generate --settings {params.config:q}"
         " --questions {input.questions:q} --staging {params.staging:q}"
         " --output {output:q} --granted-gpus {resources.gpu} > {log:q} 2>&1"

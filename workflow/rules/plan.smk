@@ -7,8 +7,11 @@ rule plan:
     localrule: True
     conda:
         CONDA_ENV
+    params:
+        config=RUN_CONFIG,
+        results=lambda wildcards: RESULTS,
     shell:
-        "python -m draftsmith.plan --settings {RUN_CONFIG:q} --results {RESULTS:q} 2> {log:q}"
+        "python -m draftsmith.plan --settings {params.config:q} --results {params.results:q} 2> {log:q}"
 
 
 # The plan as it stands after the run (measured tokens, bytes on disk), for the report.
@@ -30,6 +33,9 @@ rule plan_snapshot:
     localrule: True
     conda:
         CONDA_ENV
+    params:
+        config=RUN_CONFIG,
+        results=lambda wildcards: RESULTS,
     shell:
-        "python -m draftsmith.plan --settings {RUN_CONFIG:q} --results {RESULTS:q}"
+        "python -m draftsmith.plan --settings {params.config:q} --results {params.results:q}"
         " --output {output.json:q} > /dev/null 2> {log:q}"

@@ -12,7 +12,8 @@ rule questions:
         CONDA_ENV
     params:
         tracked=tracked("questions"),
-        output_dir=path(LAYOUT.questions),
+        config=RUN_CONFIG,
+        output_dir=lambda wildcards, output: os.path.dirname(output.summary),
     shell:
-        "python -m draftsmith.questions --settings {RUN_CONFIG:q}"
+        "python -m draftsmith.questions --settings {params.config:q}"
         " --output-dir {params.output_dir:q} > {log:q} 2>&1"

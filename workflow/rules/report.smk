@@ -51,5 +51,7 @@ rule run_metadata:
     localrule: True
     conda:
         CONDA_ENV
+    params:
+        config=RUN_CONFIG,
     shell:
-        "python -m draftsmith.report metadata {output:q} --settings {RUN_CONFIG:q} 2> {log:q}"
+        "python -m draftsmith.report metadata {output:q} --settings {params.config:q} 2> {log:q}"

@@ -13,10 +13,11 @@ rule train:
         gpu=config["gpu_slot"],
     params:
         tracked=tracked("train"),
+        config=RUN_CONFIG,
         staging=staging("train"),
         mode="",
     shell:
-        "python -m draftsmith.train {params.mode} --settings {RUN_CONFIG:q}"
+        "python -m draftsmith.train {params.mode} --settings {params.config:q}"
         " --dataset {input.dataset:q} --hidden-states {input.hidden_states:q}"
         " --staging {params.staging:q} --output {output:q}"
         " --granted-gpus {resources.gpu} > {log:q} 2>&1"
@@ -30,5 +31,6 @@ use rule train as untrained_drafter with:
         log_path("untrained_drafter"),
     params:
         tracked=tracked("untrained_drafter"),
+        config=RUN_CONFIG,
         staging=staging("untrained_drafter"),
         mode="--untrained",
