@@ -4,8 +4,7 @@ The parity tests prove the layer convention end to end: config layer k is the ou
 of 0-based decoder layer k, i.e. HF ``hidden_states[k + 1]``; for the final layer vLLM
 stores the output *before* the final norm (HF's last entry is after it), so the
 reference for it is taken with a forward hook on the last decoder layer. They run at
-TP=1 and TP=2 because the seed's silent bug lived in the TP>1 path, for a Llama and for
-the production family's architecture (DeepSeek-V3 / Kimi: MLA and MoE).
+TP=1 and TP=2 because the seed's silent bug lived in the TP>1 path.
 """
 
 from __future__ import annotations
@@ -22,11 +21,10 @@ import torch
 from datasets import Dataset
 from safetensors.torch import load_file
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from conftest import VLLM_ENV, server_settings
 from draftsmith import extract
-from draftsmith.demo_model import deepseek_config
 from draftsmith.extract import ExtractionError, check_settings, serving_dtype, shard_range
 from draftsmith.layout import hidden_state_file
 from draftsmith.settings import item_settings
@@ -37,35 +35,24 @@ CONFIG_LAYERS = [0, 2, 4]  # vLLM ids [1, 3, 5]; 4 is the final layer
 VOCAB = 256
 # Relative to the largest reference value: bf16 serving vs an fp32 reference.
 TOLERANCE = 0.05
-# MoE routing is discrete: a bf16 rounding flips a token's expert choice, so the floor is
-# higher. Measured on this architecture: vLLM vs HF fp32 0.05-0.09 per layer, and HF's own
-# bf16 vs fp32 forwards 0.03-0.07 on the same tokens (the test re-measures the latter).
-# Neighbouring layers and the post-norm state stay >= 0.45 away.
-TOLERANCE_MOE = 0.15
 REPO = Path(__file__).resolve().parents[1]
 
 
-def build_tiny_target(path: Path, architecture: str = "llama") -> None:
-    """Random 5-layer target: a Llama (hidden 128, 2 heads of head_dim 64; 16 fails on vLLM
-    CPU), or the demo's DeepSeek-V3 (MLA at the real latent geometry, 4+1 experts)."""
+def build_tiny_llama(path: Path) -> None:
+    """Random 5-layer Llama, hidden 128, 2 heads of head_dim 64 (16 fails on vLLM CPU)."""
     words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(VOCAB - 3)]
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    hf_tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<unk>"
-    )  # fmt: skip
-    hf_tokenizer.save_pretrained(path)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(path)
     torch.manual_seed(0)
-    if architecture == "deepseek_v3":
-        config = deepseek_config(hf_tokenizer)
-        config.num_hidden_layers = NUM_LAYERS
-    else:
-        config = LlamaConfig(
-            vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=NUM_LAYERS,
-            num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
-            bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-        )  # fmt: skip
-    model = AutoModelForCausalLM.from_config(config)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
     with torch.no_grad():  # larger weights than the 0.02 init: layers differ clearly
         for param in model.parameters():
             if param.dim() > 1:
@@ -83,14 +70,7 @@ def tiny_rows() -> list[list[int]]:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny-llama")
-    build_tiny_target(path)
-    return path
-
-
-@pytest.fixture(scope="session")
-def tiny_deepseek(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-deepseek")
-    build_tiny_target(path, "deepseek_v3")
+    build_tiny_llama(path)
     return path
 
 
@@ -130,10 +110,10 @@ def run_cli(settings: dict, dataset: Path, work: Path) -> subprocess.CompletedPr
     return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=600)
 
 
-def hf_states(model_path: Path, token_ids: list[int], dtype=torch.float32) -> list[torch.Tensor]:
+def hf_states(model_path: Path, token_ids: list[int]) -> list[torch.Tensor]:
     """HF ``hidden_states`` ([tokens, hidden] each, fp32 forward of the bf16 checkpoint),
     plus the last decoder layer's output before the final norm as entry ``-1``."""
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    model = LlamaForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     captured: list[torch.Tensor] = []
 
     def keep_output(_module, _inputs, output) -> None:
@@ -143,14 +123,14 @@ def hf_states(model_path: Path, token_ids: list[int], dtype=torch.float32) -> li
     with torch.no_grad():
         out = model(torch.tensor([token_ids]), output_hidden_states=True)
     hook.remove()
-    return [state[0].float() for state in out.hidden_states] + [captured[0][0].float()]
+    return [state[0] for state in out.hidden_states] + [captured[0][0]]
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
-def assert_parity(model_path: Path, output: Path, tolerance: float = TOLERANCE) -> tuple[float, float]:
+def assert_parity(model_path: Path, output: Path) -> tuple[float, float]:
     """Every stored layer of every row matches HF; returns (worst relative, worst absolute)."""
     worst_rel = worst_abs = 0.0
     for row, token_ids in enumerate(tiny_rows()):
@@ -162,13 +142,13 @@ def assert_parity(model_path: Path, output: Path, tolerance: float = TOLERANCE) 
             final = layer == NUM_LAYERS - 1
             want = hf[-1] if final else hf[layer + 1]  # the output of decoder layer `layer`
             error = relative_error(got, want)
-            assert error < tolerance, f"row {row} config layer {layer}: relative error {error:.4f}"
+            assert error < TOLERANCE, f"row {row} config layer {layer}: relative error {error:.4f}"
             worst_rel = max(worst_rel, error)
             worst_abs = max(worst_abs, (got - want).abs().max().item())
             # The check tells layers apart: the input of the layer (the old off-by-one)
             # and, for the final layer, HF's post-norm state are far off.
             wrong = [hf[layer]] + ([hf[NUM_LAYERS]] if final else [])
-            assert all(relative_error(got, w) > 2 * tolerance for w in wrong), f"row {row}"
+            assert all(relative_error(got, w) > 5 * TOLERANCE for w in wrong), f"row {row}"
     return worst_rel, worst_abs
 
 
@@ -323,29 +303,3 @@ def test_resharded_rows_are_linked_from_the_old_shards_made_the_same_way(tmp_pat
     assert hidden_state_file(mine, 3).samefile(hidden_state_file(old, 3))
     assert not hidden_state_file(mine, 4).exists()
 
-
-def hf_noise_floor(model_path: Path) -> float:
-    """HF's own bf16 forward against its fp32 forward, worst over rows and stored layers."""
-    worst = 0.0
-    for token_ids in tiny_rows():
-        exact, rounded = hf_states(model_path, token_ids), hf_states(model_path, token_ids, torch.bfloat16)
-        for layer in CONFIG_LAYERS:
-            index = -1 if layer == NUM_LAYERS - 1 else layer + 1
-            worst = max(worst, relative_error(rounded[index], exact[index]))
-    return worst
-
-
-@pytest.mark.vllm
-@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
-def test_parity_on_the_deepseek_architecture(tiny_deepseek: Path, dataset_dir: Path, tmp_path: Path,
-                                              tensor_parallel_size: int) -> None:  # fmt: skip
-    """MLA + MoE at TP=1 and TP=2 (one core per rank): the stored layers match HF within the
-    bf16 floor of this architecture, and the neighbouring layer and the post-norm state do not."""
-    floor = hf_noise_floor(tiny_deepseek)
-    assert floor < TOLERANCE_MOE, f"HF's own bf16 floor {floor:.3f} reaches the tolerance"
-    settings = settings_for(tiny_deepseek, tensor_parallel_size=tensor_parallel_size)
-    completed = run_cli(settings, dataset_dir, tmp_path)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    worst = assert_parity(tiny_deepseek, tmp_path / "out", TOLERANCE_MOE)
-    print(f"DeepSeek TP={tensor_parallel_size}: worst relative / absolute error %.4f / %.4f, "
-          f"HF bf16 floor {floor:.4f}" % worst)  # fmt: skip
