@@ -54,7 +54,7 @@ python -m draftsmith.speculators_cpu train --verifier-name-or-path "$model" \
   --target-layer-ids 2 3 5 --token-freq-path "$out/dataset/token_freq.pt" --draft-vocab-size 200 \
   --num-layers 1 --epochs 15 --lr 0.003 --total-seq-len 2048 --seed 0 --save-path "$out/checkpoints" \
   --data-path "$out/dataset" --hidden-states-path "$out/hidden_states" --on-missing raise \
-  --num-workers 0 --draft-attn-impl sdpa --loss-implementation eager
+  --loss-implementation eager --num-workers 0 --draft-attn-impl sdpa --hidden-states-dtype float32
 
 # Evaluation: held-out questions at temperature 0 with the drafter, then without it.
 jq -c --arg model "$model" '{model: $model, messages: .messages, max_tokens: 64, temperature: 0}' \
