@@ -83,25 +83,26 @@ def load_records(path: Path) -> dict[str, dict[str, Any]]:
     return read_records(path)
 
 
-def adopt_from_other_shards(staging: Path, questions: list[dict[str, Any]], done: dict) -> int:
+def adopt_from_other_shards(staging: Path, questions: list[dict[str, Any]], done: dict) -> None:
     """After a re-sharding, answers to this shard's questions may sit in another shard's
-    staging (made under the same settings): copy them here instead of asking again."""
+    staging (made under the same settings): copy them here, and into ``done``, instead of
+    asking again."""
     wanted = {q["id"] for q in questions} - done.keys()
-    adopted = []
+    adopted = {}
     for sibling in matching_siblings(staging) if wanted else []:
         for question_id, record in read_records(sibling / RECORDS).items():
             if question_id in wanted:
-                adopted.append(record)
+                adopted[question_id] = record
                 wanted.discard(question_id)
     if adopted:
         writer = RecordWriter(staging / RECORDS)
         try:
-            for record in adopted:
+            for record in adopted.values():
                 writer.write(record)
         finally:
             writer.close()
+        done.update(adopted)
         log(f"reused {len(adopted)} answers staged by other shards under the same settings")
-    return len(adopted)
 
 
 def record_from_sample(question_id: str, sample: dict[str, Any]) -> dict[str, Any]:
@@ -239,8 +240,8 @@ def run(settings: dict, questions_path: Path, staging: Path, output: Path, grant
     questions = read_questions(questions_path)
     open_staging(staging, item_settings(settings, "generate"))
     records_path = staging / RECORDS
-    adopt_from_other_shards(staging, questions, load_records(records_path))
     done = load_records(records_path)
+    adopt_from_other_shards(staging, questions, done)
     todo = [q for q in questions if q["id"] not in done]
     log(f"{len(questions)} questions in shard: {len(done)} already answered, {len(todo)} to ask")
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from draftsmith.atomic import publish_directory
 from draftsmith.errors import DraftsmithError
+from draftsmith.layout import HIDDEN_STATE_GLOB, hidden_state_row
 from draftsmith.progress import log
 
 
@@ -22,7 +23,7 @@ class TrainingViewError(DraftsmithError):
 
 
 def hidden_state_files(shard: Path) -> dict[int, Path]:
-    return {int(path.stem.removeprefix("hs_")): path for path in shard.glob("hs_*.safetensors")}
+    return {hidden_state_row(path): path for path in shard.glob(HIDDEN_STATE_GLOB)}
 
 
 def build_view(shards: list[Path], rows: int, output: Path) -> None:
