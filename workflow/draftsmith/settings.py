@@ -80,7 +80,7 @@ def _operational_env(name: str) -> bool:
     return name in OPERATIONAL_SERVER_ENV or name.startswith(OPERATIONAL_ENV_PREFIXES)
 
 
-def _trainer_processes(config: dict) -> int:
+def trainer_processes(config: dict) -> int:
     """One trainer process per GPU of the slot on cuda (it sets the global batch); 1 on cpu."""
     return config["gpu_slot"] if config["device"] == "cuda" else 1
 
@@ -96,7 +96,7 @@ DERIVED = {
         k: v for k, v in sorted(c["server"]["env"].items()) if not _operational_env(k)}),
     "server.env[other]": (("server.env",), lambda c: {
         k: v for k, v in sorted(c["server"]["env"].items()) if _operational_env(k)}),
-    "trainer_processes": (("device", "gpu_slot"), _trainer_processes),
+    "trainer_processes": (("device", "gpu_slot"), trainer_processes),
 }  # fmt: skip
 
 # The keys that say where results go: a new value starts over in the new place.

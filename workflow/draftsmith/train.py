@@ -48,7 +48,7 @@ from draftsmith.layout import HIDDEN_STATE_GLOB, SHARD_MANIFEST, hidden_state_fi
 from draftsmith.progress import log, stderr_file
 from draftsmith.guard import guarded, stop_process_group, uncapped_environment
 from draftsmith.server import log_tail
-from draftsmith.settings import item_settings
+from draftsmith.settings import item_settings, trainer_processes
 from draftsmith.slot import GpuSlotError, check_gpu_slot
 from draftsmith.speculators_cpu import METRICS_FILE_ENV
 
@@ -157,11 +157,11 @@ def preflight(settings: dict, paths: TrainPaths) -> LayerPlan:
 
 
 def training_processes(settings: dict, granted: int | None) -> int:
-    """One trainer process per GPU of the slot; 1 on CPU."""
+    """One trainer process per GPU of the slot; 1 on CPU (the count settings.py tracks)."""
+    slot = trainer_processes(settings)
     if settings["device"] != "cuda":
-        return 1
+        return slot
     check_gpu_slot(settings, granted)
-    slot = settings["gpu_slot"]
     if granted is not None and granted < slot:
         raise GpuSlotError(
             f"training runs on gpu_slot={slot} GPUs but this job was granted {granted}; run "
