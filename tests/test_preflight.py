@@ -56,6 +56,22 @@ def test_missing_vllm_connector_class_is_named(monkeypatch, target, tmp_path):
     assert len(problems) == 1 and "ExampleHiddenStatesConnector" in problems[0]
 
 
+def test_a_missing_patched_vllm_class_is_named(monkeypatch, target, tmp_path):
+    """The CPU rope plugin patches RotaryEmbedding; an upgrade that moves it is named."""
+    from vllm.model_executor.layers.rotary_embedding import base
+
+    monkeypatch.delattr(base, "RotaryEmbedding")
+    problems = preflight.run_checks(demo_settings(target), tmp_path / "results")
+    assert len(problems) == 1 and "base.RotaryEmbedding (AttributeError)" in problems[0]
+
+
+@pytest.mark.parametrize("plugins", ["lora_filesystem_resolver", ""])
+def test_vllm_plugins_that_leave_out_the_rope_fix_are_named(plugins, monkeypatch, target, tmp_path):
+    monkeypatch.setenv("VLLM_PLUGINS", plugins)
+    problems = preflight.run_checks(demo_settings(target), tmp_path / "results")
+    assert problems == [f"VLLM_PLUGINS={plugins} leaves out draftsmith_cpu_rope; add it to the list or unset VLLM_PLUGINS"]
+
+
 def test_renamed_train_flag_is_named(monkeypatch, target, tmp_path):
     from speculators.train.config import resolution
 
@@ -116,7 +132,7 @@ def test_broken_environment_fails_the_cli_before_any_work(target, tmp_path):
     shim = tmp_path / "shim"
     shim.mkdir()
     (shim / "sitecustomize.py").write_text(
-        "import speculators.data_generation.offline as m\ndel m.check_hidden_states\n"
+        "import speculators.data_generation.vllm_client as m\ndel m.wait_for_lock_async\n"
     )
     command = [sys.executable, "-m", "draftsmith.preflight", "--settings", json.dumps(demo_settings(target)),
                "--results", str(tmp_path / "results"), "--output", str(tmp_path / "ok.json")]  # fmt: skip
@@ -124,7 +140,7 @@ def test_broken_environment_fails_the_cli_before_any_work(target, tmp_path):
     run = subprocess.run(command, capture_output=True, text=True, env={**preflight.os.environ, "PYTHONPATH": str(shim)})
     elapsed = time.monotonic() - started
     assert run.returncode == 2
-    assert "check_hidden_states" in run.stderr and "nothing was started" in run.stderr
+    assert "wait_for_lock_async" in run.stderr and "nothing was started" in run.stderr
     assert not (tmp_path / "ok.json").exists()
     assert elapsed < 60, f"preflight took {elapsed:.1f}s"
 
@@ -148,10 +164,10 @@ def test_install_stamp_skips_the_install_checks_only_on_the_same_install(target,
     shim = tmp_path / "shim"
     shim.mkdir()
     (shim / "sitecustomize.py").write_text(
-        "import speculators.data_generation.offline as m\ndel m.check_hidden_states\n"
+        "import speculators.data_generation.vllm_client as m\ndel m.wait_for_lock_async\n"
     )
     broken = subprocess.run(command, capture_output=True, text=True, env={**preflight.os.environ, "PYTHONPATH": str(shim)})
-    assert broken.returncode == 2 and "check_hidden_states" in broken.stderr
+    assert broken.returncode == 2 and "wait_for_lock_async" in broken.stderr
     assert sorted(cache.iterdir()) == markers  # a failed check records nothing
 
 
@@ -165,11 +181,11 @@ def test_install_fingerprint_follows_the_checked_module_files(monkeypatch, tmp_p
     package = tmp_path / "speculators" / "data_generation"
     package.mkdir(parents=True)
     (tmp_path / "speculators" / "__init__.py").write_text("")
-    offline = package / "offline.py"
-    offline.write_text("def check_hidden_states(): ...\n")
+    client = package / "vllm_client.py"
+    client.write_text("def with_retries(): ...\n")
     shadowed = preflight.install_fingerprint()
     assert shadowed != installed  # a speculators found elsewhere is another install
-    offline.write_text("# check_hidden_states was removed\n")
+    client.write_text("# with_retries was removed\n")
     assert preflight.install_fingerprint() != shadowed
 
 

@@ -37,6 +37,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.layers import LayerConfigError, resolve_layers
 from draftsmith.plan import existing_parent, plan_for, read_target_config
 from draftsmith.questions import is_local_source
+from draftsmith import vllm_cpu_rope
 from draftsmith.serving import MLA_DISABLE_ENV, ServingError, evaluation_attention, mla_latent_problem
 
 # (module, attribute): what draftsmith imports or loads from the two libraries.
@@ -46,12 +47,12 @@ REQUIRED_NAMES = [
     ("speculators.data_generation.vllm_client", "InvalidResponseError"),
     ("speculators.data_generation.vllm_client", "generate_hidden_states_async"),
     ("speculators.data_generation.vllm_client", "wait_for_lock_async"),
-    ("speculators.data_generation.offline", "check_hidden_states"),
     ("speculators.train.config.resolution", "build_parser"),
     ("vllm.entrypoints.openai.api_server", None),
     ("vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector", "ExampleHiddenStatesConnector"),
     ("vllm.engine.arg_utils", "EngineArgs"),
     ("vllm.config.speculative", "SpeculativeMethod"),
+    *vllm_cpu_rope.REQUIRED_NAMES,
 ]
 # `speculators train` flags the training stage passes.
 TRAIN_FLAGS = [
@@ -86,7 +87,10 @@ def _load(module: str, attribute: str | None):
         if importlib.util.find_spec(module) is None:
             raise ImportError(f"no module {module}")
         return None
-    return getattr(importlib.import_module(module), attribute)
+    found = importlib.import_module(module)
+    for part in attribute.split("."):  # "Class.method" for a member we patch
+        found = getattr(found, part)
+    return found
 
 
 def check_required_names() -> list[str]:
@@ -102,6 +106,18 @@ def check_required_names() -> list[str]:
                 f"release: pip install -e '.[cpu]' (or '.[gpu]')"
             )
     return problems
+
+
+def check_vllm_plugin() -> list[str]:
+    """vLLM finds draftsmith's plugin only through the installed package's entry point."""
+    plugins = {entry.name: entry.value for entry in metadata.entry_points(group=vllm_cpu_rope.PLUGIN_GROUP)}
+    if plugins.get(vllm_cpu_rope.PLUGIN_NAME) != vllm_cpu_rope.PLUGIN_VALUE:
+        return [f"vLLM will not load draftsmith's plugin {vllm_cpu_rope.PLUGIN_NAME} (without it the CPU build "
+                "serves DeepSeek/Kimi targets wrong); install draftsmith: pip install -e '.[cpu]'"]  # fmt: skip
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None and vllm_cpu_rope.PLUGIN_NAME not in allowed.split(","):
+        return [f"VLLM_PLUGINS={allowed} leaves out {vllm_cpu_rope.PLUGIN_NAME}; add it to the list or unset VLLM_PLUGINS"]
+    return []
 
 
 def _flags(parser: argparse.ArgumentParser) -> set[str]:
@@ -207,7 +223,7 @@ def check_install(cache: Path | None = None) -> list[str]:
     if marker and marker.is_file():
         print(f"preflight: install unchanged since its checks passed ({marker}); not re-checked", file=sys.stderr)
         return []
-    problems = check_required_names() + check_speculators_cli() + check_vllm_options()
+    problems = check_required_names() + check_speculators_cli() + check_vllm_options() + check_vllm_plugin()
     if marker and not problems:
         with contextlib.suppress(OSError):  # a read-only home only costs the next run 7 s
             atomic_write_text(marker, f"{sys.executable}\n")

@@ -24,9 +24,14 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# Declared for the preflight's API check: what this plugin calls and replaces.
-PATCHED = "vllm.model_executor.layers.rotary_embedding.base.RotaryEmbedding.forward_cpu"
-KERNEL = "torch.ops._C.rotary_embedding"
+# How vLLM finds this plugin (pyproject.toml's entry point); the preflight checks it.
+PLUGIN_GROUP, PLUGIN_NAME = "vllm.general_plugins", "draftsmith_cpu_rope"
+PLUGIN_VALUE = f"{__name__}:register"
+# (module, attribute) this plugin replaces or calls; the preflight checks they exist.
+REQUIRED_NAMES = [
+    ("vllm.model_executor.layers.rotary_embedding.base", "RotaryEmbedding"),
+    ("vllm._custom_ops", "rotary_embedding"),
+]
 
 
 def register() -> None:
