@@ -201,10 +201,27 @@ def test_cuda_runs_one_torchrun_process_per_gpu_of_the_slot(tmp_path, monkeypatc
 def test_cpu_adaptations_leave_an_accelerator_machine_alone(monkeypatch):
     from speculators.train import cli
 
+    from torch.optim import _muon
+
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
-    trainer_class = cli.Trainer
+    trainer_class, orthogonalize = cli.Trainer, _muon._zeropower_via_newtonschulz
     assert speculators_cpu.apply() is False
-    assert cli.Trainer is trainer_class
+    assert cli.Trainer is trainer_class and _muon._zeropower_via_newtonschulz is orthogonalize
+
+
+@pytest.mark.parametrize("shape", [(96, 32), (32, 96)])
+def test_cpu_muon_orthogonalizes_like_torch_in_fp32(shape):
+    """The fp32 Newton-Schulz the CPU trainer uses is torch's iteration: it agrees with
+    torch's bf16 result to bf16 precision, on tall and wide matrices."""
+    from torch.optim import _muon
+
+    grad = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    args = ((_muon.DEFAULT_A, _muon.DEFAULT_B, _muon.DEFAULT_C), _muon.DEFAULT_NS_STEPS, 1e-7)
+    ours = speculators_cpu.newton_schulz_fp32(grad, *args)
+    torch_bf16 = _muon._zeropower_via_newtonschulz(grad, *args)
+    assert ours.dtype == torch.float32 and ours.shape == grad.shape
+    torch.testing.assert_close(ours, torch_bf16.float(), atol=0.02, rtol=0.05)
+    assert not torch.equal(ours, torch_bf16.float())  # it did not just call torch's bf16 one
 
 
 def published_copy(dataset: Path, hidden_states: Path, root: Path, items: str) -> TrainPaths:
