@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test report lint
+.PHONY: demo test report lint slurm-site
 
 demo: $(STAMP)
 	$(VENV)/bin/snakemake --cores all --resources gpu=8
@@ -23,3 +23,12 @@ $(STAMP): pyproject.toml
 	# and break `import transformers` model classes; the workflow needs none of them.
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
 	touch $(STAMP)
+
+# The SLURM executor plugin, in an overlay directory used with PYTHONPATH=$(PWD)/.slurm-site:
+# snakemake-executor-plugin-slurm 2.8.0 needs numpy >= 2.4.5, which pip cannot resolve with
+# vLLM's mistral-common pin, and the releases that accept our numpy need pandas < 3.
+# Installed for the Python that runs Snakemake: .venv's here, or set SITE_PY (a GPU env).
+SITE_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+slurm-site:
+	$(SITE_PY) -m pip install --quiet --target .slurm-site --no-deps \
+	    snakemake-executor-plugin-slurm==2.8.0 snakemake-executor-plugin-slurm-jobstep==0.6.1 numpy==2.4.6

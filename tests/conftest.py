@@ -2,8 +2,8 @@
 
 import os
 import shutil
-import subprocess
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -27,6 +27,12 @@ def copy_workflow(workdir: Path) -> Path:
 # vLLM on a small CPU box: a 1 GiB KV cache, no hub access.
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
 os.environ.update(VLLM_ENV)
+# Every process this test session starts inherits this mark, servers and trainers included.
+# It, not a process group, is how the tests find their own processes: each server and
+# trainer runs in a session of its own (so that its guard can stop the whole group), and a
+# second suite running on the machine must not count as ours.
+SESSION_MARK = f"DRAFTSMITH_TEST_SESSION={uuid.uuid4().hex}"
+os.environ.update([SESSION_MARK.split("=")])
 
 
 @pytest.fixture(scope="session")
@@ -60,12 +66,20 @@ HEAVY_MARKERS = ("vllm.entrypoints", "VLLM::", "speculators_cpu", "draftsmith.gu
 
 
 def heavy_processes() -> list[str]:
-    """Servers, engines, trainers and guards alive right now (zombies excluded)."""
-    listing = subprocess.run(["ps", "-eo", "stat=,args="], capture_output=True, text=True).stdout
-    return [
-        line for line in listing.splitlines()
-        if not line.lstrip().startswith("Z") and any(marker in line for marker in HEAVY_MARKERS)
-    ]  # fmt: skip
+    """This test session's servers, engines, trainers and guards alive right now (zombies
+    excluded), as "pid: command line"."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if SESSION_MARK.encode() not in (proc / "environ").read_bytes().split(b"\0"):
+                continue
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if state != "Z" and any(marker in command for marker in HEAVY_MARKERS):
+            found.append(f"{proc.name}: {command}")
+    return found
 
 
 def heavy_processes_after(seconds: float = 20.0) -> list[str]:
