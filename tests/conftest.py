@@ -43,6 +43,24 @@ def demo_target(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory) -> Path:
+    """A model directory with a tokenizer and a config but no weights: enough for every
+    consumer of the tokenizer (prepare-data, the context checks) in a second."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny-tokenizer")
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(61)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                            pad_token="<unk>").save_pretrained(path)  # fmt: skip
+    LlamaConfig(vocab_size=len(words), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=1, num_key_value_heads=1).save_pretrained(path)  # fmt: skip
+    return path
+
+
 def server_settings(model: Path, **server) -> dict:
     """The config sections a server-owning stage reads, for a CPU run of `model`."""
     return {

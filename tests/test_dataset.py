@@ -1,7 +1,9 @@
-"""The dataset stage's merge: the same answers make the same rows, however they were sharded."""
+"""The dataset stage: the same answers make the same rows, however they were sharded, and
+every row keeps its question's id."""
 
 import json
 
+from draftsmith import dataset
 from draftsmith.dataset import merge_completions
 
 
@@ -28,3 +30,30 @@ def test_the_merged_rows_do_not_depend_on_how_questions_were_sharded(tmp_path):
     assert ids_two == ids_one
     merged = [json.loads(line) for line in (tmp_path / "one.jsonl").read_text().splitlines()]
     assert [row["input_ids"][0] for row in merged] == [0, 1, 2, 3, 4, 5]  # question-id order
+
+
+def test_answers_cut_to_the_same_row_keep_every_question_id(tiny_tokenizer, tmp_path):
+    """Real prepare-data on a tiny tokenizer. Two answers whose first seq_length tokens are
+    equal become the same row; each question id is given once, none is lost or repeated."""
+    seq_length = 6
+    shared = [1, 5, 6, 7, 8, 9]
+    records = [
+        {"id": "q-a", "input_ids": shared + [10, 11], "loss_mask": [0, 0, 1, 1, 1, 1, 1, 1]},
+        {"id": "q-b", "input_ids": shared + [12], "loss_mask": [0, 0, 1, 1, 1, 1, 1]},
+        {"id": "q-c", "input_ids": [1, 20, 21, 22, 23], "loss_mask": [0, 1, 1, 1, 1]},
+        {"id": "q-d", "input_ids": [1, 30, 31, 32], "loss_mask": [0, 0, 1, 1]},
+    ]
+    shards = write_shards(tmp_path, [records[:2], records[2:]])
+    settings = {
+        "target": {"model": str(tiny_tokenizer), "trust_remote_code": False},
+        "dataset": {"seq_length": seq_length, "min_trainable_tokens": 1},
+    }
+    dataset.run(settings, shards, tmp_path / "staging", tmp_path / "out")
+    row_ids = json.loads((tmp_path / "out/row_ids.json").read_text())
+    assert sorted(row_ids) == ["q-a", "q-b", "q-c", "q-d"]
+    from datasets import load_from_disk
+
+    rows = load_from_disk(str(tmp_path / "out")).with_format(None)["input_ids"]
+    by_id = {question: tuple(row) for question, row in zip(row_ids, rows, strict=True)}
+    assert by_id["q-a"] == by_id["q-b"] == tuple(shared)
+    assert by_id["q-c"] == (1, 20, 21, 22, 23) and by_id["q-d"] == (1, 30, 31, 32)

@@ -5,9 +5,13 @@ from generation), so prepare-data passes them through: it truncates to
 ``seq_length``, drops rows with too few trainable tokens, shuffles, writes the
 Arrow dataset, and counts token frequencies for the draft vocabulary.
 
-prepare-data drops every column but the tokens, so we write ``row_ids.json``
-beside it: the question id of every dataset row, recovered by matching tokens.
-Extraction names its files by row, and this keeps each row traceable to its question.
+prepare-data drops every column but the tokens and shuffles, so we write ``row_ids.json``
+beside it: the question id of every dataset row, found by matching each row's tokens and
+loss mask with the answers it was made from (prepare-data has no column it carries through,
+and replaying its shuffle and filters would tie us to its internals). Answers that
+prepare-data cuts to the same row are the same training row; each of their ids is given to
+one of those rows, so no id is lost or repeated. Extraction names its files by row, and
+this keeps each row traceable to its question.
 """
 
 from __future__ import annotations
@@ -49,32 +53,31 @@ def answers_by_id(shards: list[Path]) -> list[tuple[str, Path, int]]:
     return sorted(found)
 
 
-def merge_completions(shards: list[Path], merged: Path, seq_length: int) -> dict[str, str]:
+def merge_completions(shards: list[Path], merged: Path, seq_length: int) -> dict[str, list[str]]:
     """Write the answers, in question-id order, as one JSONL of ``input_ids``/``loss_mask`` rows.
 
-    Returns question ids by token hash, keyed by both the full row and the row cut
-    to ``seq_length`` (prepare-data truncates long rows).
+    Returns the question ids of each row as prepare-data will write it (cut to
+    ``seq_length``), keyed by ``row_key``, in question-id order.
     """
-    ids_by_tokens: dict[str, str] = {}
+    ids_by_row: dict[str, list[str]] = {}
     handles = {shard: shard.open("rb") for shard in shards}
     try:
         with merged.open("w", encoding="utf-8") as out:
             for question_id, shard, offset in answers_by_id(shards):
                 handles[shard].seek(offset)
                 record = json.loads(handles[shard].readline())
-                input_ids = record["input_ids"]
-                ids_by_tokens[tokens_key(input_ids)] = question_id
-                ids_by_tokens.setdefault(tokens_key(input_ids[:seq_length]), question_id)
-                row = {"input_ids": input_ids, "loss_mask": record["loss_mask"]}
+                input_ids, loss_mask = record["input_ids"], record["loss_mask"]
+                ids_by_row.setdefault(row_key(input_ids[:seq_length], loss_mask[:seq_length]), []).append(question_id)
+                row = {"input_ids": input_ids, "loss_mask": loss_mask}
                 out.write(json.dumps(row) + "\n")
     finally:
         for handle in handles.values():
             handle.close()
-    return ids_by_tokens
+    return ids_by_row
 
 
-def tokens_key(input_ids: list[int]) -> str:
-    return hashlib.sha256(json.dumps(list(input_ids)).encode()).hexdigest()
+def row_key(input_ids: list[int], loss_mask: list[int]) -> str:
+    return hashlib.sha256(json.dumps([list(input_ids), list(loss_mask)]).encode()).hexdigest()
 
 
 def prepare_data_command(settings: dict, merged: Path, output: Path) -> list[str]:
@@ -95,16 +98,18 @@ def prepare_data_command(settings: dict, merged: Path, output: Path) -> list[str
     return argv
 
 
-def row_question_ids(dataset_dir: Path, ids_by_tokens: dict[str, str]) -> list[str]:
-    """The question id of every row of the prepared dataset, in row order."""
+def row_question_ids(dataset_dir: Path, ids_by_row: dict[str, list[str]]) -> list[str]:
+    """The question id of every row of the prepared dataset, in row order; each id once."""
     from datasets import load_from_disk
 
+    unclaimed = {key: list(ids) for key, ids in ids_by_row.items()}
+    rows = load_from_disk(str(dataset_dir)).with_format(None)
     result = []
-    for input_ids in load_from_disk(str(dataset_dir)).with_format(None)["input_ids"]:
-        question_id = ids_by_tokens.get(tokens_key(input_ids))
-        if question_id is None:
+    for input_ids, loss_mask in zip(rows["input_ids"], rows["loss_mask"], strict=True):
+        ids = unclaimed.get(row_key(input_ids, loss_mask))
+        if not ids:
             raise DatasetError(f"dataset row {len(result)} matches no completion; rerun the dataset stage")
-        result.append(question_id)
+        result.append(ids.pop(0))
     return result
 
 
@@ -112,8 +117,8 @@ def run(settings: dict, completions: list[Path], staging: Path, output: Path) ->
     staging.mkdir(parents=True, exist_ok=True)
     merged = staging / "merged.jsonl"
     seq_length = settings["dataset"]["seq_length"]
-    ids_by_tokens = merge_completions(completions, merged, seq_length)
-    answers = len(set(ids_by_tokens.values()))
+    ids_by_row = merge_completions(completions, merged, seq_length)
+    answers = sum(len(ids) for ids in ids_by_row.values())
     if not answers:
         raise DatasetError("the completion shards hold no answers; check the generation logs")
     log(f"merged {answers} answers from {len(completions)} shard(s)")
@@ -126,7 +131,7 @@ def run(settings: dict, completions: list[Path], staging: Path, output: Path) ->
     if result.returncode != 0:
         raise DatasetError(f"speculators prepare-data failed (exit {result.returncode}); see the log above")
 
-    row_ids = row_question_ids(prepared, ids_by_tokens)
+    row_ids = row_question_ids(prepared, ids_by_row)
     atomic_write_text(prepared / "row_ids.json", json.dumps(row_ids) + "\n")
     log(f"dataset: {len(row_ids)} rows ({answers - len(row_ids)} dropped by prepare-data)")
     publish_directory(prepared, output)
