@@ -14,6 +14,8 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/snakemake --lint
 	$(VENV)/bin/snakefmt --check Snakefile workflow/rules
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)

@@ -62,12 +62,14 @@ def main() -> None:
                     rates[mode].append(done / (time.perf_counter() - started))
 
     result = {
-        "questions": len(questions), "concurrency": generation["concurrency"], "cores": sorted(allowed),
+        "questions": len(questions),
+        "concurrency": generation["concurrency"],
+        "cores": sorted(allowed),
         "requests_per_s": {k: [round(v, 1) for v in vs] for k, vs in rates.items()},
         "median_requests_per_s": {k: round(statistics.median(vs), 1) for k, vs in rates.items()},
         "min_max_ratio": {k: round(min(vs) / max(vs), 3) for k, vs in rates.items()},
         "speedup_of_medians": round(statistics.median(rates["placed"]) / statistics.median(rates["floating"]), 3),
-    }  # fmt: skip
+    }
     write_result("cpu_placement", result)
 
 

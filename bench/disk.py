@@ -37,8 +37,13 @@ def main() -> None:
     copied = sum(p.lstat().st_size for p in entries if not p.is_symlink())
     shard_inodes = {p.stat().st_ino for p in files}
     result = {
-        "samples": len(files), "tokens": tokens, "stored_layers": layers, "hidden_size": hidden,
-        "ideal_bytes": ideal, "apparent_bytes": apparent, "allocated_bytes": on_disk,
+        "samples": len(files),
+        "tokens": tokens,
+        "stored_layers": layers,
+        "hidden_size": hidden,
+        "ideal_bytes": ideal,
+        "apparent_bytes": apparent,
+        "allocated_bytes": on_disk,
         "apparent_over_ideal": round(apparent / ideal, 4),
         "allocated_over_ideal": round(on_disk / ideal, 4),
         "goal_ratio": 1.01,
@@ -47,8 +52,8 @@ def main() -> None:
         "training_view_targets_are_shard_files": all(p.stat().st_ino in shard_inodes for p in entries),
         "tensor_bytes_copied_for_training_view": copied,
         "note": "per-file overhead = safetensors header + token_ids (8 B/token); tiny demo "
-                "rows make it visible, at 4 x 7168-wide layers it is about 0.02%",
-    }  # fmt: skip
+        "rows make it visible, at 4 x 7168-wide layers it is about 0.02%",
+    }
     # The same overhead at production width, from the demo's per-file overhead.
     overhead_per_token = (apparent - ideal) / tokens
     result["apparent_over_ideal_at_kimi_width"] = round(1 + overhead_per_token / (4 * 7168 * BYTES_PER_VALUE), 6)

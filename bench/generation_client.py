@@ -23,11 +23,11 @@ from pathlib import Path
 
 import aiohttp
 import yaml
+from results_file import write_result
 from snakemake.utils import validate
 
 from draftsmith.generate import RecordWriter, answer_questions
 from draftsmith.server import ServerSpec, managed_server
-from results_file import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,8 +37,13 @@ async def plain_load(endpoint, questions, generation) -> int:
     async with aiohttp.ClientSession(headers=endpoint.headers()) as session:
 
         async def one(question):
-            payload = {**generation["sampling"], "model": endpoint.model, "messages": question["messages"],
-                       "max_tokens": generation["max_tokens"], "return_token_ids": True}  # fmt: skip
+            payload = {
+                **generation["sampling"],
+                "model": endpoint.model,
+                "messages": question["messages"],
+                "max_tokens": generation["max_tokens"],
+                "return_token_ids": True,
+            }
             async with semaphore, session.post(f"{endpoint.base_url}/chat/completions", json=payload) as response:
                 await response.json()
 
@@ -76,11 +81,15 @@ def main() -> None:
         asyncio.run(plain_load(endpoint, questions[:32], generation))  # warm-up
         # The stage imports speculators while its server loads; here too, not in the timing.
         import speculators.cli.regenerate_responses  # noqa: F401
+
         for repeat in range(args.repeats):
             writer = RecordWriter(Path(scratch) / f"records_{repeat}.jsonl")
             started = time.perf_counter()
-            tally = asyncio.run(answer_questions(endpoint, questions, writer, generation=generation,
-                                                 already_done=0, total=len(questions)))  # fmt: skip
+            tally = asyncio.run(
+                answer_questions(
+                    endpoint, questions, writer, generation=generation, already_done=0, total=len(questions)
+                )
+            )
             rates["stage"].append(tally.ok / (time.perf_counter() - started))
             writer.close()
             started = time.perf_counter()
@@ -88,12 +97,14 @@ def main() -> None:
             rates["plain"].append(done / (time.perf_counter() - started))
 
     result = {
-        "questions": len(questions), "concurrency": args.concurrency, "max_tokens": generation["max_tokens"],
+        "questions": len(questions),
+        "concurrency": args.concurrency,
+        "max_tokens": generation["max_tokens"],
         "requests_per_s": {k: [round(v, 2) for v in vs] for k, vs in rates.items()},
         "median_requests_per_s": {k: round(statistics.median(vs), 2) for k, vs in rates.items()},
         "ratio_stage_over_plain": round(statistics.median(rates["stage"]) / statistics.median(rates["plain"]), 4),
         "goal": 0.95,
-    }  # fmt: skip
+    }
     write_result("generation_client", result)
 
 

@@ -26,12 +26,12 @@ import time
 from pathlib import Path
 
 import yaml
+from results_file import write_result
 from snakemake.utils import validate
 
 from draftsmith import questions
 from draftsmith.demo_model import build_demo_model
 from draftsmith.preflight import default_install_cache
-from results_file import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOW_FILES = ("Snakefile", "workflow", "config", "profiles", "envs")
@@ -56,8 +56,17 @@ def copy_files(names: tuple[str, ...], source: Path, target: Path) -> Path:
 def run_workflow(config: dict, code: Path, workdir: Path) -> float:
     copy_files(WORKFLOW_FILES, code, workdir)
     (workdir / "config/overhead.yaml").write_text(yaml.safe_dump(config))
-    command = [sys.executable, "-m", "snakemake", "--configfile", "config/overhead.yaml",
-               "--cores", "all", "--resources", "gpu=8"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "--configfile",
+        "config/overhead.yaml",
+        "--cores",
+        "all",
+        "--resources",
+        "gpu=8",
+    ]
     return timed(command, code, workdir, workdir / "snakemake.log")
 
 
@@ -68,8 +77,11 @@ def run_bare(model: Path, questions_dir: Path, code: Path, out: Path) -> float:
 
 
 def timed(command: list[str], code: Path, cwd: Path, log: Path) -> float:
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "PYTHONPATH": str(code / "workflow")}  # fmt: skip
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "PYTHONPATH": str(code / "workflow"),
+    }
     started = time.monotonic()
     with log.open("w") as handle:
         subprocess.run(command, cwd=cwd, env=env, stdout=handle, stderr=subprocess.STDOUT, check=True)
@@ -97,9 +109,24 @@ def main() -> None:
     # As for a user who has run the workflow before on this install: the preflight's install
     # checks are cached (draftsmith/preflight.py), so every repetition finds them so.
     checks = args.workdir / "install_checks"
-    timed([sys.executable, "-m", "draftsmith.preflight", "--settings", json.dumps(config), "--results",
-           str(checks), "--output", str(checks / "ok.json"), "--install-cache", str(default_install_cache())],
-          code, args.workdir, args.workdir / "install_checks.log")  # fmt: skip
+    timed(
+        [
+            sys.executable,
+            "-m",
+            "draftsmith.preflight",
+            "--settings",
+            json.dumps(config),
+            "--results",
+            str(checks),
+            "--output",
+            str(checks / "ok.json"),
+            "--install-cache",
+            str(default_install_cache()),
+        ],
+        code,
+        args.workdir,
+        args.workdir / "install_checks.log",
+    )
 
     reps = []
     for rep in range(args.reps):
@@ -114,17 +141,27 @@ def main() -> None:
                 times[side] = run_bare(model, args.workdir / "questions", code, place)
                 accepted[side] = acceptance(place / "acceptance.json")
             print(f"rep {rep} {side}: {times[side]:.1f} s, acceptance {accepted[side]:.2f}", flush=True)
-        reps.append({"order": order, "seconds": times, "acceptance_length": accepted,
-                     "ratio": times["workflow"] / times["bare"]})  # fmt: skip
+        reps.append(
+            {
+                "order": order,
+                "seconds": times,
+                "acceptance_length": accepted,
+                "ratio": times["workflow"] / times["bare"],
+            }
+        )
 
-    write_result("overhead", {
-        "goal": "workflow / bare <= 1.10",
-        "settings": "demo config (1,200 questions, 60 held out, 15 epochs), 1 shard per stage, no untrained baseline; "
-                    "preflight's install checks cached by a run before the repetitions",
-        "machine": f"{os.cpu_count()} cores",
-        "repetitions": reps,
-        "median_ratio": round(statistics.median(r["ratio"] for r in reps), 3),
-    })  # fmt: skip
+    write_result(
+        "overhead",
+        {
+            "goal": "workflow / bare <= 1.10",
+            "settings": "demo config (1,200 questions, 60 held out, 15 epochs), 1 shard per stage, "
+            "no untrained baseline; "
+            "preflight's install checks cached by a run before the repetitions",
+            "machine": f"{os.cpu_count()} cores",
+            "repetitions": reps,
+            "median_ratio": round(statistics.median(r["ratio"] for r in reps), 3),
+        },
+    )
 
 
 if __name__ == "__main__":

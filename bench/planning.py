@@ -22,13 +22,23 @@ import time
 from pathlib import Path
 
 import yaml
-
 from results_file import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 # Stage order, so that created outputs get increasing modification times.
-RULE_ORDER = ["questions", "generate", "dataset", "extract", "training_view", "train", "evaluate",
-              "completion_lengths", "training_curves", "run_metadata", "plan_snapshot"]  # fmt: skip
+RULE_ORDER = [
+    "questions",
+    "generate",
+    "dataset",
+    "extract",
+    "training_view",
+    "train",
+    "evaluate",
+    "completion_lengths",
+    "training_curves",
+    "run_metadata",
+    "plan_snapshot",
+]
 KIMI_CONFIG = {"num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 163840, "num_attention_heads": 64}
 
 
@@ -58,8 +68,13 @@ def timed(command: list[str], cwd: Path) -> dict:
     """Wall seconds and peak RSS (GNU time) of one command."""
     run = subprocess.run(["/usr/bin/time", "-f", "TIME %e %M", *command], cwd=cwd, capture_output=True, text=True)
     seconds, kib = re.findall(r"TIME ([\d.]+) (\d+)", run.stderr)[-1]
-    return {"seconds": float(seconds), "peak_rss_mib": int(kib) / 1024, "returncode": run.returncode,
-            "stdout": run.stdout, "stderr": run.stderr}  # fmt: skip
+    return {
+        "seconds": float(seconds),
+        "peak_rss_mib": int(kib) / 1024,
+        "returncode": run.returncode,
+        "stdout": run.stdout,
+        "stderr": run.stderr,
+    }
 
 
 def create_outputs(dry_run_stdout: str, workdir: Path) -> int:
@@ -106,7 +121,9 @@ def main() -> None:
         assert dry_run["returncode"] == 0, dry_run["stderr"][-2000:]
         dry.append(dry_run)
         rerun = timed(snakemake, args.workdir)
-        assert rerun["returncode"] == 0 and "Nothing to be done" in rerun["stdout"] + rerun["stderr"], rerun["stderr"][-2000:]
+        assert rerun["returncode"] == 0 and "Nothing to be done" in rerun["stdout"] + rerun["stderr"], rerun["stderr"][
+            -2000:
+        ]
         noop.append(rerun)
 
     summary = lambda runs: {  # noqa: E731
@@ -115,10 +132,15 @@ def main() -> None:
         "peak_rss_mib": max(r["peak_rss_mib"] for r in runs),
     }
     result = {
-        "questions": args.questions, "shards_per_stage": args.shards, "jobs_planned": jobs,
-        "outputs_present_for_noop": outputs, "machine": f"{os.cpu_count()} cores",
-        "dry_run_all_jobs": summary(dry), "noop_rerun": summary(noop), "goal_seconds": 10,
-    }  # fmt: skip
+        "questions": args.questions,
+        "shards_per_stage": args.shards,
+        "jobs_planned": jobs,
+        "outputs_present_for_noop": outputs,
+        "machine": f"{os.cpu_count()} cores",
+        "dry_run_all_jobs": summary(dry),
+        "noop_rerun": summary(noop),
+        "goal_seconds": 10,
+    }
     write_result("planning", result)
 
 

@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 import yaml
+from results_file import write_result
 from snakemake.utils import validate
 
 from draftsmith import extract
-from results_file import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,9 +48,23 @@ def main() -> None:
     staging, output = args.workdir / "staging", args.workdir / "output"
     subprocess.run(["rm", "-rf", str(args.workdir)], check=True)
 
-    command = [sys.executable, "-m", "draftsmith.extract", "--settings", json.dumps(settings),
-               "--dataset", str(dataset), "--shard", "0", "--num-shards", "1",
-               "--staging", str(staging), "--output", str(output)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "draftsmith.extract",
+        "--settings",
+        json.dumps(settings),
+        "--dataset",
+        str(dataset),
+        "--shard",
+        "0",
+        "--num-shards",
+        "1",
+        "--staging",
+        str(staging),
+        "--output",
+        str(output),
+    ]
     with (args.workdir.parent / "draftsmith-bench-resume-run1.log").open("w") as log:
         first = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         while staged(staging) < rows // 2:
@@ -66,10 +80,14 @@ def main() -> None:
     requested = len(result.requested)
     missing = rows - present
     report = {
-        "rows": rows, "staged_when_killed": present, "missing_after_kill": missing,
-        "requested_by_rerun": requested, "ratio": round(requested / missing, 4), "goal": 1.02,
+        "rows": rows,
+        "staged_when_killed": present,
+        "missing_after_kill": missing,
+        "requested_by_rerun": requested,
+        "ratio": round(requested / missing, 4),
+        "goal": 1.02,
         "published_rows": len(list(output.glob("hs_*.safetensors"))),
-    }  # fmt: skip
+    }
     write_result("resume", report)
 
 

@@ -54,10 +54,17 @@ def tiny_tokenizer(tmp_path_factory) -> Path:
     words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(61)]
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                            pad_token="<unk>").save_pretrained(path)  # fmt: skip
-    LlamaConfig(vocab_size=len(words), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=1, num_key_value_heads=1).save_pretrained(path)  # fmt: skip
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<unk>"
+    ).save_pretrained(path)
+    LlamaConfig(
+        vocab_size=len(words),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+    ).save_pretrained(path)
     return path
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from snakemake.exceptions import WorkflowError
 from conftest import copy_workflow
+from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
 from draftsmith.config_check import config_problem
@@ -57,14 +57,29 @@ FIX = "; fix it in the config file (every key is described in config/README.md)"
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda c: c.update(unknown_key=1), "top level: Additional properties are not allowed ('unknown_key' was unexpected)"),
-        (lambda c: c["generation"].update(max_tokenz=5), "generation: Additional properties are not allowed ('max_tokenz' was unexpected)"),
-        (lambda c: c["generation"].update(concurrency="many"), "generation.concurrency: 'many' is not of type 'integer'"),
+        (
+            lambda c: c.update(unknown_key=1),
+            "top level: Additional properties are not allowed ('unknown_key' was unexpected)",
+        ),
+        (
+            lambda c: c["generation"].update(max_tokenz=5),
+            "generation: Additional properties are not allowed ('max_tokenz' was unexpected)",
+        ),
+        (
+            lambda c: c["generation"].update(concurrency="many"),
+            "generation.concurrency: 'many' is not of type 'integer'",
+        ),
         (lambda c: c["questions"].update(shards=0), "questions.shards: 0 is less than the minimum of 1"),
-        (lambda c: c["server"].update(tensor_parallel_size=-2), "server.tensor_parallel_size: -2 is less than the minimum of 1"),
+        (
+            lambda c: c["server"].update(tensor_parallel_size=-2),
+            "server.tensor_parallel_size: -2 is less than the minimum of 1",
+        ),
         (lambda c: c["training"].update(epochs=0), "training.epochs: 0 is less than the minimum of 1"),
         (lambda c: c["training"].update(lr=0), "training.lr: 0 is less than or equal to the minimum of 0"),
-        (lambda c: c["generation"].update(max_error_fraction=1.5), "generation.max_error_fraction: 1.5 is greater than the maximum of 1"),
+        (
+            lambda c: c["generation"].update(max_error_fraction=1.5),
+            "generation.max_error_fraction: 1.5 is greater than the maximum of 1",
+        ),
         (lambda c: c.update(layers=[5]), "layers: [5] is too short"),
         (lambda c: c.pop("layers"), "top level: 'layers' is a required property"),
         (lambda c: c["questions"].update(source=""), "questions.source: '' should be non-empty"),

@@ -14,7 +14,10 @@ ALLOWED = os.sched_getaffinity(0)
 pytestmark = pytest.mark.skipif(len(ALLOWED) < 2, reason="placement needs at least 2 cores")
 
 # A parent (the "API server") with one child (the "worker"); both sleep.
-TREE = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+TREE = (
+    "import subprocess, sys, time; "
+    "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+)
 
 
 @pytest.fixture

@@ -33,8 +33,9 @@ def records(workdir: Path) -> int:
 
 def run_until(workdir: Path, condition, timeout: float = 900, stop: int = signal.SIGKILL) -> None:
     """Start the workflow and send `stop` to its whole process group once `condition()` holds."""
-    process = subprocess.Popen(RUN, cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)  # fmt: skip
+    process = subprocess.Popen(
+        RUN, cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     deadline = time.monotonic() + timeout
     while not condition():
         assert process.poll() is None, "the workflow ended before the kill point"
@@ -78,7 +79,11 @@ def uninterrupted_question_ids(workdir: Path, tmp_path: Path) -> list[str]:
     validate(config, str(workdir / "workflow/schemas/config.schema.yaml"))
     config["questions"]["source"] = str(workdir / config["questions"]["source"])
     questions.run(config, tmp_path / "questions")
-    return sorted(json.loads(line)["id"] for p in (tmp_path / "questions").glob("shard_*.jsonl") for line in p.read_text().splitlines())
+    return sorted(
+        json.loads(line)["id"]
+        for p in (tmp_path / "questions").glob("shard_*.jsonl")
+        for line in p.read_text().splitlines()
+    )
 
 
 def test_kill_anywhere_then_rerun_completes_without_redoing_work(workdir, tmp_path):
@@ -110,10 +115,16 @@ def test_kill_anywhere_then_rerun_completes_without_redoing_work(workdir, tmp_pa
 
     # The sample ids of an uninterrupted run: none lost, none twice.
     planned = sorted(
-        json.loads(line)["id"] for p in workdir.glob("results/questions/shard_*.jsonl") for line in p.read_text().splitlines()
+        json.loads(line)["id"]
+        for p in workdir.glob("results/questions/shard_*.jsonl")
+        for line in p.read_text().splitlines()
     )
     assert planned == uninterrupted_question_ids(workdir, tmp_path)
-    answered = [json.loads(line)["id"] for p in workdir.glob("results/completions/shard_*.jsonl") for line in p.read_text().splitlines()]
+    answered = [
+        json.loads(line)["id"]
+        for p in workdir.glob("results/completions/shard_*.jsonl")
+        for line in p.read_text().splitlines()
+    ]
     assert sorted(answered) == planned
     row_ids = json.loads((workdir / "results/dataset/row_ids.json").read_text())
     assert sorted(row_ids) == planned
@@ -132,8 +143,13 @@ def test_ctrl_c_stops_jobs_and_servers_and_the_same_command_resumes(tmp_path):
     run_until(workdir, lambda: records(workdir) >= 30, stop=signal.SIGINT)  # asserts nothing is left
     answered_before = records(workdir)
     targets = [f"results/completions/shard_{shard}.jsonl" for shard in (0, 1)]
-    rerun = subprocess.run([sys.executable, "-m", "snakemake", *targets, *RUN[3:]], cwd=workdir,
-                           capture_output=True, text=True, timeout=900)  # fmt: skip
+    rerun = subprocess.run(
+        [sys.executable, "-m", "snakemake", *targets, *RUN[3:]],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     summaries = [json.loads(p.read_text()) for p in workdir.glob("results/.staging/completions/*/summary.json")]
     assert sum(s["asked_this_run"] for s in summaries) == sum(s["questions"] for s in summaries) - answered_before

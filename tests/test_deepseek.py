@@ -21,8 +21,11 @@ def deepseek_run(tmp_path_factory) -> Path:
     workdir = copy_workflow(tmp_path_factory.mktemp("deepseek"))
     run = subprocess.run(
         [sys.executable, "-m", "snakemake", "--configfile", CONFIG, "--cores", "all", "--resources", "gpu=8"],
-        cwd=workdir, capture_output=True, text=True, timeout=3600,
-    )  # fmt: skip
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     assert run.returncode == 0, run.stderr[-5000:]
     return workdir / RESULTS
 
@@ -36,8 +39,14 @@ def test_the_target_is_the_production_architecture(deepseek_run):
 
 def test_the_trained_drafter_reaches_the_acceptance_goal(deepseek_run):
     result = json.loads((deepseek_run / "eval/acceptance.json").read_text())
-    print(json.dumps({key: result[key] for key in ("acceptance_length", "acceptance_per_position",
-                                                   "untrained_acceptance_length", "speedup")}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                key: result[key]
+                for key in ("acceptance_length", "acceptance_per_position", "untrained_acceptance_length", "speedup")
+            }
+        )
+    )
     assert result["acceptance_length"] >= 2.5, result
     assert result["untrained_acceptance_length"] < 1.5, result
     # On a CPU the evaluation serves this MLA target with MLA disabled, and says why.
@@ -53,7 +62,7 @@ def test_answers_keep_their_think_tags_and_only_the_answer_is_trained(deepseek_r
     with_tags = 0
     for record in records:
         assert record["loss_mask"] == [0] * record["prompt_tokens"] + [1] * record["completion_tokens"]
-        answer = record["input_ids"][record["prompt_tokens"]:]
+        answer = record["input_ids"][record["prompt_tokens"] :]
         with_tags += answer[:1] == [think_open] and think_close in answer
     assert with_tags >= 0.9 * len(records), f"{with_tags} of {len(records)} answers keep <think>...</think>"
 

@@ -50,8 +50,17 @@ def test_think_tags_survive_skip_special_tokens(tokenizer):
 
 
 def test_special_token_ids_are_fixed(tokenizer):
-    expected = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3, "<|system|>": 4, "<|user|>": 5,
-                "<|assistant|>": 6, "<think>": 7, "</think>": 8}
+    expected = {
+        "<unk>": 0,
+        "<s>": 1,
+        "</s>": 2,
+        "<pad>": 3,
+        "<|system|>": 4,
+        "<|user|>": 5,
+        "<|assistant|>": 6,
+        "<think>": 7,
+        "</think>": 8,
+    }
     assert {t: token_id(tokenizer, t) for t in expected} == expected
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (1, 2, 3)
 
@@ -64,8 +73,8 @@ def test_generation_prompt_leaves_think_to_the_model(tokenizer):
     think, end_think = token_id(tokenizer, "<think>"), token_id(tokenizer, "</think>")
     assert prompt[-1] == token_id(tokenizer, "<|assistant|>")
     assert think not in prompt and end_think not in prompt
-    assert full[:len(prompt)] == prompt
-    generated = full[len(prompt):]
+    assert full[: len(prompt)] == prompt
+    generated = full[len(prompt) :]
     assert generated[0] == think and end_think in generated
     assert generated[-1] == tokenizer.eos_token_id
 
@@ -137,7 +146,7 @@ def test_model_config_has_head_dim_64(tokenizer):
 def test_batch_masks_the_prompt(tokenizer):
     batch = dm.make_batch(tokenizer, random.Random(0), 4)
     assistant = token_id(tokenizer, "<|assistant|>")
-    for ids, labels, mask in zip(batch["input_ids"], batch["labels"], batch["attention_mask"]):
+    for ids, labels, mask in zip(batch["input_ids"], batch["labels"], batch["attention_mask"], strict=True):
         start = (ids == assistant).nonzero()[-1].item() + 1
         assert (labels[:start] == -100).all()
         assert labels[start].item() == token_id(tokenizer, "<think>")
@@ -173,16 +182,20 @@ def test_build_writes_a_loadable_model(tmp_path):
     out = tmp_path / "model"
     stats = dm.build_demo_model(out, train_seconds=0, max_steps=3, seed=0, eval_per_task=0)
     assert stats.steps == 3
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "generation_config.json"} <= {p.name for p in out.iterdir()}
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    } <= {p.name for p in out.iterdir()}
     config = AutoConfig.from_pretrained(out)
     assert config.head_dim == 64 and config.eos_token_id == 2
     assert str(config.dtype).endswith("bfloat16")
     loaded = AutoTokenizer.from_pretrained(out)
     assert isinstance(loaded, PreTrainedTokenizerFast)
     messages = [{"role": "user", "content": "spell cat"}]
-    assert loaded.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) \
-        .endswith("<|assistant|>")
+    assert loaded.apply_chat_template(messages, tokenize=False, add_generation_prompt=True).endswith("<|assistant|>")
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
     assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no staging left behind
     assert out.stat().st_mode & 0o755 == 0o755

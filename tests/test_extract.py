@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import VLLM_ENV, server_settings
 from datasets import Dataset
 from safetensors.torch import load_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
-from conftest import VLLM_ENV, server_settings
 from draftsmith import extract
 from draftsmith.demo_model import deepseek_config
 from draftsmith.extract import ExtractionError, check_settings, serving_dtype, shard_range
@@ -48,7 +48,7 @@ def build_tiny_target(path: Path, architecture: str = "llama") -> None:
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     hf_tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<unk>"
-    )  # fmt: skip
+    )
     hf_tokenizer.save_pretrained(path)
     torch.manual_seed(0)
     if architecture == "deepseek_v3":
@@ -56,10 +56,18 @@ def build_tiny_target(path: Path, architecture: str = "llama") -> None:
         config.num_hidden_layers = NUM_LAYERS
     else:
         config = LlamaConfig(
-            vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=NUM_LAYERS,
-            num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
-            bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-        )  # fmt: skip
+            vocab_size=VOCAB,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=NUM_LAYERS,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=64,
+            max_position_embeddings=512,
+            bos_token_id=1,
+            eos_token_id=2,
+            tie_word_embeddings=False,
+        )
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # larger weights than the 0.02 init: layers differ clearly
         for param in model.parameters():
@@ -118,10 +126,22 @@ def settings_for(model: Path, tensor_parallel_size: int = 1) -> dict:
 
 def run_cli(settings: dict, dataset: Path, work: Path) -> subprocess.CompletedProcess:
     command = [
-        sys.executable, "-m", "draftsmith.extract", "--settings", json.dumps(settings),
-        "--dataset", str(dataset), "--shard", "0", "--num-shards", "1",
-        "--staging", str(work / "staging"), "--output", str(work / "out"),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "draftsmith.extract",
+        "--settings",
+        json.dumps(settings),
+        "--dataset",
+        str(dataset),
+        "--shard",
+        "0",
+        "--num-shards",
+        "1",
+        "--staging",
+        str(work / "staging"),
+        "--output",
+        str(work / "out"),
+    ]
     return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=600)
 
 
@@ -171,9 +191,7 @@ def assert_parity(model_path: Path, output: Path) -> tuple[float, float]:
 def extracted_tp1(tiny_model: Path, dataset_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     work = tmp_path_factory.mktemp("tp1")
     started = time.monotonic()
-    result = extract.run(
-        settings_for(tiny_model), dataset_dir, 0, 1, work / "staging", work / "out"
-    )
+    result = extract.run(settings_for(tiny_model), dataset_dir, 0, 1, work / "staging", work / "out")
     print(f"TP=1 extraction took {time.monotonic() - started:.0f}s")
     return result, work / "out"
 
@@ -182,7 +200,8 @@ def extracted_tp1(tiny_model: Path, dataset_dir: Path, tmp_path_factory: pytest.
 def test_parity_tp1(tiny_model: Path, extracted_tp1) -> None:
     result, output = extracted_tp1
     assert result.requested == list(range(len(tiny_rows()))) and not result.failures
-    print("TP=1 worst relative / absolute error %.4f / %.4f" % assert_parity(tiny_model, output))
+    worst_relative, worst_absolute = assert_parity(tiny_model, output)
+    print(f"TP=1 worst relative / absolute error {worst_relative:.4f} / {worst_absolute:.4f}")
     manifest = json.loads((output / "manifest.json").read_text())
     assert manifest["vllm_layer_ids"] == [1, 3, 5] and manifest["dtype"] == "bfloat16"
     assert manifest["num_tokens"] == sum(len(r) for r in tiny_rows())
@@ -194,10 +213,8 @@ def test_parity_tp2_through_cli(tiny_model: Path, dataset_dir: Path, tmp_path: P
     completed = run_cli(settings_for(tiny_model, tensor_parallel_size=2), dataset_dir, tmp_path)
     assert completed.returncode == 0, completed.stderr[-3000:]
     print(f"TP=2 extraction (CLI) took {time.monotonic() - started:.0f}s")
-    print(
-        "TP=2 worst relative / absolute error %.4f / %.4f"
-        % assert_parity(tiny_model, tmp_path / "out")
-    )
+    worst_relative, worst_absolute = assert_parity(tiny_model, tmp_path / "out")
+    print(f"TP=2 worst relative / absolute error {worst_relative:.4f} / {worst_absolute:.4f}")
 
 
 @pytest.mark.vllm
@@ -276,9 +293,7 @@ def test_settings_fail_fast(tiny_model: Path, dataset_dir: Path) -> None:
 
 
 @pytest.mark.vllm
-def test_failed_rows_exit_nonzero_and_nothing_is_published(
-    tiny_model: Path, tmp_path: Path
-) -> None:
+def test_failed_rows_exit_nonzero_and_nothing_is_published(tiny_model: Path, tmp_path: Path) -> None:
     """Rows the server rejects (token ids outside the vocabulary: a wrong tokenizer)."""
     rows = [[5, 6, 7], [5, VOCAB + 7], [8, 9], [VOCAB + 1]]
     Dataset.from_dict({"input_ids": rows, "loss_mask": rows}).save_to_disk(str(tmp_path / "ds"))
@@ -355,8 +370,9 @@ def assert_moe_parity(model_path: Path, output: Path) -> list[tuple[float, float
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("tensor_parallel_size", [1, 2])
-def test_parity_on_the_deepseek_architecture(tiny_deepseek: Path, dataset_dir: Path, tmp_path: Path,
-                                              tensor_parallel_size: int) -> None:  # fmt: skip
+def test_parity_on_the_deepseek_architecture(
+    tiny_deepseek: Path, dataset_dir: Path, tmp_path: Path, tensor_parallel_size: int
+) -> None:
     """MLA + MoE at TP=1 and TP=2 (one core per rank): the stored layers match HF within the
     bf16 floor of this architecture, and the neighbouring layer and the post-norm state do not.
     Every position counts: vLLM's CPU rotary kernel once rotated DeepSeek's queries by the
@@ -365,6 +381,8 @@ def test_parity_on_the_deepseek_architecture(tiny_deepseek: Path, dataset_dir: P
     completed = run_cli(settings, dataset_dir, tmp_path)
     assert completed.returncode == 0, completed.stderr[-3000:]
     measured = assert_moe_parity(tiny_deepseek, tmp_path / "out")
-    errors, floors, wrongs = zip(*measured)
-    print(f"DeepSeek TP={tensor_parallel_size}: worst median error {max(errors):.4f}, HF bf16 floor "
-          f"up to {max(floors):.4f}, nearest wrong state {min(wrongs):.3f}")  # fmt: skip
+    errors, floors, wrongs = zip(*measured, strict=True)
+    print(
+        f"DeepSeek TP={tensor_parallel_size}: worst median error {max(errors):.4f}, HF bf16 floor "
+        f"up to {max(floors):.4f}, nearest wrong state {min(wrongs):.3f}"
+    )

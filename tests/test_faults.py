@@ -19,10 +19,18 @@ pytestmark = pytest.mark.vllm
 
 def stage_command(settings, tmp_path):
     return [
-        sys.executable, "-m", "draftsmith.generate", "--settings", json.dumps(settings),
-        "--questions", str(tmp_path / "q.jsonl"), "--staging", str(tmp_path / "staging"),
-        "--output", str(tmp_path / "out.jsonl"),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "draftsmith.generate",
+        "--settings",
+        json.dumps(settings),
+        "--questions",
+        str(tmp_path / "q.jsonl"),
+        "--staging",
+        str(tmp_path / "staging"),
+        "--output",
+        str(tmp_path / "out.jsonl"),
+    ]
 
 
 def test_server_death_mid_stage_fails_within_seconds_and_a_rerun_resumes(demo_target, tmp_path):
@@ -47,7 +55,9 @@ def test_server_death_mid_stage_fails_within_seconds_and_a_rerun_resumes(demo_ta
 
     last_line = log_path.read_text().strip().splitlines()[-1]
     assert returncode == 2, log_path.read_text()[-3000:]
-    assert "ERROR: vLLM server died mid-stage" in log_path.read_text() and "rerun resumes" in log_path.read_text(), last_line
+    assert "ERROR: vLLM server died mid-stage" in log_path.read_text() and "rerun resumes" in log_path.read_text(), (
+        last_line
+    )
     # Without the watch, 35 questions x 4 attempts with back-off would take minutes.
     assert noticed_after < 30, f"the stage took {noticed_after:.0f}s to notice"
     assert not (tmp_path / "out.jsonl").exists()
@@ -65,7 +75,9 @@ def small_disk(tmp_path):
     """A 16 KiB filesystem: room for about twenty answers, not forty."""
     mount = tmp_path / "small_disk"
     mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mount)], capture_output=True, text=True)
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if made.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here (needs root): {made.stderr.strip()}")
     yield mount

@@ -1,7 +1,6 @@
 """Generation stage against the real vLLM CPU build: think tags, masks, resume, error budget."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -16,9 +15,14 @@ from draftsmith.demo_model import question_rows
 from draftsmith.settings import item_settings
 
 GENERATION = {
-    "concurrency": 4, "max_tokens": 48, "sampling": {"temperature": 0.0},
-    "max_error_fraction": 0.0, "request_timeout_s": 120, "max_retries": 1, "endpoint": None,
-}  # fmt: skip
+    "concurrency": 4,
+    "max_tokens": 48,
+    "sampling": {"temperature": 0.0},
+    "max_error_fraction": 0.0,
+    "request_timeout_s": 120,
+    "max_retries": 1,
+    "endpoint": None,
+}
 
 
 def write_questions(path, count, seed=1):
@@ -50,11 +54,13 @@ def test_answers_keep_think_tags_and_mask_only_the_answer(demo_target, tmp_path)
     think_open, think_close = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
     records = read_jsonl(tmp_path / "out.jsonl")
     assert [r["id"] for r in records] == [q["id"] for q in questions]
-    for record, question in zip(records, questions):
+    for record, question in zip(records, questions, strict=True):
         ids, mask = record["input_ids"], record["loss_mask"]
-        prompt = list(tokenizer.apply_chat_template(
-            question["messages"], add_generation_prompt=True, tokenize=True, return_dict=True
-        )["input_ids"])  # fmt: skip
+        prompt = list(
+            tokenizer.apply_chat_template(
+                question["messages"], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
         n_prompt = len(prompt)
         # The mask covers exactly the generated tokens, nothing of the prompt.
         assert ids[:n_prompt] == prompt
@@ -72,9 +78,18 @@ def test_generation_resumes_after_sigkill_without_asking_twice(demo_target, tmp_
     settings = server_settings(demo_target) | {"generation": GENERATION | {"concurrency": 2}}
     staging, output, log_path = tmp_path / "staging", tmp_path / "out.jsonl", tmp_path / "run1.log"
     command = [
-        sys.executable, "-m", "draftsmith.generate", "--settings", json.dumps(settings),
-        "--questions", str(tmp_path / "q.jsonl"), "--staging", str(staging), "--output", str(output),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "draftsmith.generate",
+        "--settings",
+        json.dumps(settings),
+        "--questions",
+        str(tmp_path / "q.jsonl"),
+        "--staging",
+        str(staging),
+        "--output",
+        str(output),
+    ]
     with log_path.open("w") as log:
         first = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         records = staging / generate.RECORDS
@@ -147,10 +162,22 @@ def test_resharded_questions_take_their_answers_from_the_old_shards(tmp_path, ca
     changed = settings | {"generation": GENERATION | {"max_tokens": 12}}
     for shard, made_with, token in ((1, settings, 7), (2, changed, 9)):
         staging = generate.open_staging(tmp_path / "staging" / f"shard_{shard}", item_settings(made_with, "generate"))
-        (staging / generate.RECORDS).write_text("".join(
-            json.dumps({"id": q["id"], "input_ids": [1, token, token], "loss_mask": [0, 1, 1],
-                        "finish_reason": "stop", "completion_tokens": 2, "prompt_tokens": 1}) + "\n"
-            for q in questions))  # fmt: skip
+        (staging / generate.RECORDS).write_text(
+            "".join(
+                json.dumps(
+                    {
+                        "id": q["id"],
+                        "input_ids": [1, token, token],
+                        "loss_mask": [0, 1, 1],
+                        "finish_reason": "stop",
+                        "completion_tokens": 2,
+                        "prompt_tokens": 1,
+                    }
+                )
+                + "\n"
+                for q in questions
+            )
+        )
     generate.run(settings, tmp_path / "q.jsonl", tmp_path / "staging" / "shard_0", tmp_path / "out.jsonl", None)
     assert "reused 4 answers staged by other shards" in capfd.readouterr().err
     published = read_jsonl(tmp_path / "out.jsonl")

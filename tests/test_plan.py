@@ -51,10 +51,20 @@ def test_measured_tokens_replace_the_upper_bound(tmp_path):
 def test_plan_cli_prints_the_table(tmp_path):
     settings = kimi_settings(tmp_path)
     run = subprocess.run(
-        [sys.executable, "-m", "draftsmith.plan", "--settings", json.dumps(settings),
-         "--results", str(tmp_path / "results"), "--output", str(tmp_path / "plan.json")],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "draftsmith.plan",
+            "--settings",
+            json.dumps(settings),
+            "--results",
+            str(tmp_path / "results"),
+            "--output",
+            str(tmp_path / "plan.json"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr
     assert "hidden states" in run.stdout and "TiB" in run.stdout and "x 7168 x 2 B" in run.stdout
     assert json.loads((tmp_path / "plan.json").read_text())["stored_layers"] == 4
@@ -64,8 +74,10 @@ def test_plan_cli_prints_the_table(tmp_path):
 def test_snakemake_plans_every_stage_of_the_production_config_without_gpus(tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "snakemake", "-n", "--configfile", "config/kimi-k2.5-int4.yaml"],
-        cwd=ROOT, capture_output=True, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     for rule in ("questions", "generate", "dataset", "extract", "training_view", "train", "evaluate"):
         assert f"rule {rule}:" in run.stdout

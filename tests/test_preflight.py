@@ -69,7 +69,9 @@ def test_a_missing_patched_vllm_class_is_named(monkeypatch, target, tmp_path):
 def test_vllm_plugins_that_leave_out_the_rope_fix_are_named(plugins, monkeypatch, target, tmp_path):
     monkeypatch.setenv("VLLM_PLUGINS", plugins)
     problems = preflight.run_checks(demo_settings(target), tmp_path / "results")
-    assert problems == [f"VLLM_PLUGINS={plugins} leaves out draftsmith_cpu_rope; add it to the list or unset VLLM_PLUGINS"]
+    assert problems == [
+        f"VLLM_PLUGINS={plugins} leaves out draftsmith_cpu_rope; add it to the list or unset VLLM_PLUGINS"
+    ]
 
 
 def test_renamed_train_flag_is_named(monkeypatch, target, tmp_path):
@@ -96,9 +98,7 @@ def test_missing_server_option_is_named(monkeypatch):
 
     fields = [f for f in dataclasses.fields(arg_utils.EngineArgs) if f.name != "kv_transfer_config"]
     monkeypatch.setattr(preflight.dataclasses, "fields", lambda cls: fields)
-    assert preflight.check_vllm_options() == [
-        "the vLLM server has no --kv-transfer-config; install the pinned vLLM"
-    ]
+    assert preflight.check_vllm_options() == ["the vLLM server has no --kv-transfer-config; install the pinned vLLM"]
 
 
 @pytest.mark.parametrize(
@@ -106,10 +106,19 @@ def test_missing_server_option_is_named(monkeypatch):
     [
         (lambda c: c.update(layers=[1, 2, 9]), "layer 9 does not exist: the target has 6 decoder layers"),
         (lambda c: c.update(layers=[1, 2, 4]), "must be the final decoder layer 5"),
-        (lambda c: c["server"].update(tensor_parallel_size=4), "tensor_parallel_size 4 does not divide the target's 2 attention heads"),
-        (lambda c: c["training"].update(draft_vocab_size=5000), "draft_vocab_size 5000 exceeds the target's vocabulary of 226"),
+        (
+            lambda c: c["server"].update(tensor_parallel_size=4),
+            "tensor_parallel_size 4 does not divide the target's 2 attention heads",
+        ),
+        (
+            lambda c: c["training"].update(draft_vocab_size=5000),
+            "draft_vocab_size 5000 exceeds the target's vocabulary of 226",
+        ),
         (lambda c: c["dataset"].update(seq_length=600), "max_model_len 512 is below dataset.seq_length + 1 = 601"),
-        (lambda c: c["target"].update(model="/nonexistent/model"), "target config /nonexistent/model/config.json not found"),
+        (
+            lambda c: c["target"].update(model="/nonexistent/model"),
+            "target config /nonexistent/model/config.json not found",
+        ),
     ],
 )
 def test_config_problems_are_one_clear_line(change, message, target, tmp_path):
@@ -134,8 +143,17 @@ def test_broken_environment_fails_the_cli_before_any_work(target, tmp_path):
     (shim / "sitecustomize.py").write_text(
         "import speculators.data_generation.vllm_client as m\ndel m.wait_for_lock_async\n"
     )
-    command = [sys.executable, "-m", "draftsmith.preflight", "--settings", json.dumps(demo_settings(target)),
-               "--results", str(tmp_path / "results"), "--output", str(tmp_path / "ok.json")]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "draftsmith.preflight",
+        "--settings",
+        json.dumps(demo_settings(target)),
+        "--results",
+        str(tmp_path / "results"),
+        "--output",
+        str(tmp_path / "ok.json"),
+    ]
     started = time.monotonic()
     run = subprocess.run(command, capture_output=True, text=True, env={**preflight.os.environ, "PYTHONPATH": str(shim)})
     elapsed = time.monotonic() - started
@@ -149,9 +167,19 @@ def test_install_stamp_skips_the_install_checks_only_on_the_same_install(target,
     """A passed run records the install; the next skips those checks; a changed environment
     (here a PYTHONPATH shim that removes a function) is checked again and fails."""
     cache = tmp_path / "install_checks"
-    command = [sys.executable, "-m", "draftsmith.preflight", "--settings", json.dumps(demo_settings(target)),
-               "--results", str(tmp_path / "results"), "--output", str(tmp_path / "ok.json"),
-               "--install-cache", str(cache)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "draftsmith.preflight",
+        "--settings",
+        json.dumps(demo_settings(target)),
+        "--results",
+        str(tmp_path / "results"),
+        "--output",
+        str(tmp_path / "ok.json"),
+        "--install-cache",
+        str(cache),
+    ]
     first = subprocess.run(command, capture_output=True, text=True)
     assert first.returncode == 0, first.stderr
     markers = sorted(cache.iterdir())
@@ -166,7 +194,9 @@ def test_install_stamp_skips_the_install_checks_only_on_the_same_install(target,
     (shim / "sitecustomize.py").write_text(
         "import speculators.data_generation.vllm_client as m\ndel m.wait_for_lock_async\n"
     )
-    broken = subprocess.run(command, capture_output=True, text=True, env={**preflight.os.environ, "PYTHONPATH": str(shim)})
+    broken = subprocess.run(
+        command, capture_output=True, text=True, env={**preflight.os.environ, "PYTHONPATH": str(shim)}
+    )
     assert broken.returncode == 2 and "wait_for_lock_async" in broken.stderr
     assert sorted(cache.iterdir()) == markers  # a failed check records nothing
 
@@ -208,16 +238,23 @@ def test_gpu_slot_smaller_than_tp_times_dp_is_named(visible, slot, message, monk
 
 @pytest.mark.parametrize(
     "source, missing",
-    [("config/nope.jsonl", True), ("./questions", True), ("/data/a/b/questions", True),
-     ("~/questions.parquet", True), ("mlabonne/open-perfectblend", False), ("squad", False)],
-)  # fmt: skip
+    [
+        ("config/nope.jsonl", True),
+        ("./questions", True),
+        ("/data/a/b/questions", True),
+        ("~/questions.parquet", True),
+        ("mlabonne/open-perfectblend", False),
+        ("squad", False),
+    ],
+)
 def test_a_local_question_path_that_does_not_exist_is_named(source, missing):
     """A path is never taken for a hub id: after a finished run, Snakemake would otherwise
     answer a mistyped path with "Nothing to be done"."""
     settings = {"questions": {"source": source}}
     problems = preflight.check_local_inputs(settings)
     if missing:
-        assert problems == [f"questions.source {source} does not exist (a local path, not a hub id); "
-                            "fix the path in the config"]  # fmt: skip
+        assert problems == [
+            f"questions.source {source} does not exist (a local path, not a hub id); fix the path in the config"
+        ]
     else:
         assert problems == []

@@ -10,8 +10,15 @@ from draftsmith import questions as q
 
 
 def settings(source, **overrides):
-    section = {"source": str(source), "split": "train", "subset": None, "limit": None,
-               "heldout": 2, "shards": 2, "seed": 0}  # fmt: skip
+    section = {
+        "source": str(source),
+        "split": "train",
+        "subset": None,
+        "limit": None,
+        "heldout": 2,
+        "shards": 2,
+        "seed": 0,
+    }
     section.update(overrides)
     return {"questions": section}
 
@@ -31,8 +38,14 @@ def all_ids(out):
 
 
 ROWS = [
-    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "count to 3"},
-                  {"role": "assistant", "content": "1 2 3"}, {"role": "user", "content": "again"}]},
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "count to 3"},
+            {"role": "assistant", "content": "1 2 3"},
+            {"role": "user", "content": "again"},
+        ]
+    },
     {"conversations": [{"from": "human", "value": "spell cat"}, {"from": "gpt", "value": "c a t"}]},
     {"prompt": "repeat hi twice"},
     {"prompt": [{"role": "user", "content": "reverse a b"}]},
@@ -116,8 +129,10 @@ def test_bad_rows_are_counted_not_fatal(tmp_path):
     summary = q.run(settings(path, heldout=1), tmp_path / "out")
     assert summary["questions"] == 3
     assert summary["bad_rows_by_reason"] == {
-        "malformed JSON line": 1, "invalid UTF-8": 1, "no user turn": 1,
-    }  # fmt: skip
+        "malformed JSON line": 1,
+        "invalid UTF-8": 1,
+        "no user turn": 1,
+    }
 
 
 def test_zero_usable_questions_is_a_clear_error(tmp_path):
@@ -154,7 +169,9 @@ def test_hugging_face_dataset_through_datasets(tmp_path):
     """A dataset directory in the hub layout loads through `datasets.load_dataset`."""
     repo = tmp_path / "org_dataset"
     (repo / "data").mkdir(parents=True)
-    write_jsonl(repo / "data" / "train.jsonl", [{"conversations": [{"from": "human", "value": f"q{i}"}]} for i in range(4)])
+    write_jsonl(
+        repo / "data" / "train.jsonl", [{"conversations": [{"from": "human", "value": f"q{i}"}]} for i in range(4)]
+    )
     summary = q.run(settings(repo, heldout=1), tmp_path / "out")
     assert summary["questions"] == 4
 

@@ -28,8 +28,10 @@ def test_shell_metacharacters_in_a_model_path_are_harmless(tmp_path):
     (workdir / "nasty.yaml").write_text(yaml.safe_dump(config))
     run = subprocess.run(
         [sys.executable, "-m", "snakemake", "plan", "--configfile", "nasty.yaml", "--cores", "1"],
-        cwd=workdir, capture_output=True, text=True,
-    )  # fmt: skip
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "x 7168 x 2 B" in run.stdout  # the stage read the config.json at that exact path
     assert not list(workdir.glob("PWNED*")) and not list(Path.cwd().glob("PWNED*"))
@@ -38,16 +40,20 @@ def test_shell_metacharacters_in_a_model_path_are_harmless(tmp_path):
 def test_commands_are_argument_lists_not_shell_strings():
     spec = ServerSpec(model=NASTY)
     assert NASTY in spec.command(8000)  # one argv element, never split or interpreted
-    settings = {"target": {"model": NASTY, "trust_remote_code": False},
-                "dataset": {"seq_length": 16, "min_trainable_tokens": 1}}  # fmt: skip
+    settings = {
+        "target": {"model": NASTY, "trust_remote_code": False},
+        "dataset": {"seq_length": 16, "min_trainable_tokens": 1},
+    }
     assert NASTY in prepare_data_command(settings, Path("m.jsonl"), Path("out"))
 
 
 def test_remote_code_is_not_trusted_unless_the_config_says_so():
     assert "--trust-remote-code" not in ServerSpec(model="m").command(8000)
     assert "--trust-remote-code" in ServerSpec(model="m", trust_remote_code=True).command(8000)
-    settings = {"target": {"model": "m", "trust_remote_code": False},
-                "dataset": {"seq_length": 16, "min_trainable_tokens": 1}}  # fmt: skip
+    settings = {
+        "target": {"model": "m", "trust_remote_code": False},
+        "dataset": {"seq_length": 16, "min_trainable_tokens": 1},
+    }
     assert "--trust-remote-code" not in prepare_data_command(settings, Path("m.jsonl"), Path("o"))
     schema = yaml.safe_load((ROOT / "workflow/schemas/config.schema.yaml").read_text())
     assert schema["properties"]["target"]["properties"]["trust_remote_code"]["default"] is False

@@ -12,8 +12,16 @@ from draftsmith import preflight, serving
 from draftsmith.serving import ServingError, evaluation_attention, mla_latent_problem
 
 # DeepSeek's real latent geometry (the only one vLLM's CPU MLA kernel takes) on a tiny model.
-TINY_MLA = {"num_hidden_layers": 6, "hidden_size": 256, "num_attention_heads": 4, "vocab_size": 230,
-            "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64}  # fmt: skip
+TINY_MLA = {
+    "num_hidden_layers": 6,
+    "hidden_size": 256,
+    "num_attention_heads": 4,
+    "vocab_size": 230,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 64,
+    "v_head_dim": 64,
+}
 
 
 def test_on_cpu_the_evaluation_disables_mla_because_the_backends_share_no_block_size():
@@ -29,8 +37,11 @@ def test_a_target_without_mla_is_served_as_it_is():
 
 
 def test_an_unservable_head_size_is_refused_with_the_reason():
-    with pytest.raises(ServingError, match=r"on cpu: .* share no KV block size, and with MLA disabled "
-                                           r"its attention head 104 .* is not one CPU_ATTN supports"):
+    with pytest.raises(
+        ServingError,
+        match=r"on cpu: .* share no KV block size, and with MLA disabled "
+        r"its attention head 104 .* is not one CPU_ATTN supports",
+    ):
         evaluation_attention({**TINY_MLA, "qk_nope_head_dim": 40}, "cpu")
 
 

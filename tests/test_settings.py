@@ -50,9 +50,10 @@ def declared_config_keys() -> set[str]:
 
 def test_every_key_of_the_schema_is_decided_by_some_stage():
     undecided = [
-        key for key in schema_keys(SCHEMA)
+        key
+        for key in schema_keys(SCHEMA)
         if key not in declared_config_keys() and key.split(".")[0] not in declared_config_keys()
-    ]  # fmt: skip
+    ]
     assert undecided == []
 
 
@@ -94,8 +95,9 @@ def test_the_readme_rerun_column_is_the_code_decision():
 
 def test_the_dag_copy_matches_snakemakes_rule_graph(tmp_path):
     workdir = copy_workflow(tmp_path / "workflow")
-    run = subprocess.run([sys.executable, "-m", "snakemake", "--rulegraph", "--forceall"],
-                         cwd=workdir, capture_output=True, text=True)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--rulegraph", "--forceall"], cwd=workdir, capture_output=True, text=True
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     names = dict(re.findall(r'^\s*(\d+)\[label = "([^"]+)"', run.stdout, re.MULTILINE))
     edges: dict[str, set[str]] = {name: set() for name in names.values() if name != "all"}
@@ -117,10 +119,15 @@ def test_operational_keys_are_in_no_rules_params():
 
 def test_server_options_are_split_by_whether_they_change_numerics():
     config = demo_config()
-    config["server"]["extra_args"] = ["--dtype", "bfloat16", "--gpu-memory-utilization=0.5",
-                                      "--enforce-eager", "--kv-cache-dtype", "fp8"]  # fmt: skip
-    config["server"]["env"] = {"VLLM_CPU_KVCACHE_SPACE": 1, "VLLM_ATTENTION_BACKEND": "X",
-                               "NCCL_DEBUG": "INFO"}  # fmt: skip
+    config["server"]["extra_args"] = [
+        "--dtype",
+        "bfloat16",
+        "--gpu-memory-utilization=0.5",
+        "--enforce-eager",
+        "--kv-cache-dtype",
+        "fp8",
+    ]
+    config["server"]["env"] = {"VLLM_CPU_KVCACHE_SPACE": 1, "VLLM_ATTENTION_BACKEND": "X", "NCCL_DEBUG": "INFO"}
     generate = tracked_settings(config, "generate")
     assert generate["server.extra_args[numerics]"] == [["--dtype", "bfloat16"], ["--kv-cache-dtype", "fp8"]]
     assert generate["server.env[numerics]"] == {"VLLM_ATTENTION_BACKEND": "X"}

@@ -37,9 +37,7 @@ def rejection(path: Path, tokens: list[int] = TOKENS) -> str:
 
 
 def test_good_sample_passes(tmp_path: Path) -> None:
-    check_sample(
-        write(tmp_path / "hs_0.safetensors", good_tensors()), TOKENS, LAYERS, HIDDEN, DTYPE
-    )
+    check_sample(write(tmp_path / "hs_0.safetensors", good_tensors()), TOKENS, LAYERS, HIDDEN, DTYPE)
 
 
 def test_single_token_sample_passes(tmp_path: Path) -> None:
@@ -78,9 +76,7 @@ def test_rejects_extra_keys(tmp_path: Path) -> None:
 def test_rejects_wrong_dtype(tmp_path: Path) -> None:
     tensors = good_tensors()
     tensors["hidden_states"] = tensors["hidden_states"].float()
-    assert "dtype is float32, expected bfloat16" in rejection(
-        write(tmp_path / "hs_1.safetensors", tensors)
-    )
+    assert "dtype is float32, expected bfloat16" in rejection(write(tmp_path / "hs_1.safetensors", tensors))
 
 
 def test_rejects_non_finite(tmp_path: Path) -> None:
@@ -113,9 +109,7 @@ def test_rejects_zero_token_row(tmp_path: Path) -> None:
 def test_rejects_token_mismatch(tmp_path: Path) -> None:
     path = write(tmp_path / "hs_1.safetensors", good_tensors())
     other = TOKENS[:3] + [99] + TOKENS[4:]
-    assert "differ from the dataset row at position 3 (file 7, dataset 99)" in rejection(
-        path, other
-    )
+    assert "differ from the dataset row at position 3 (file 7, dataset 99)" in rejection(path, other)
 
 
 def test_rejects_token_count_mismatch(tmp_path: Path) -> None:

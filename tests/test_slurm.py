@@ -37,13 +37,16 @@ def _unavailable() -> str | None:
     if importlib.util.find_spec("snakemake_executor_plugin_slurm") is None:
         return "the SLURM executor plugin is not installed: run tests/slurm/run_slurm_test.sh (docs/cluster.md)"
     try:
-        nodes = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%t"], capture_output=True,
-                               text=True, timeout=20)  # fmt: skip
+        nodes = subprocess.run(
+            ["sinfo", "--noheader", "--Node", "--format=%t"], capture_output=True, text=True, timeout=20
+        )
     except subprocess.TimeoutExpired:
         return "sinfo timed out: the SLURM controller does not answer"
     usable = [s for s in nodes.stdout.split() if s.rstrip("*") in {"idle", "mix", "alloc"}]
     if nodes.returncode != 0 or not usable:
-        return f"no usable SLURM node (sinfo: {(nodes.stdout + nodes.stderr).strip()!r}); run tests/slurm/setup_cluster.sh"
+        return (
+            f"no usable SLURM node (sinfo: {(nodes.stdout + nodes.stderr).strip()!r}); run tests/slurm/setup_cluster.sh"
+        )
     return None
 
 
@@ -71,13 +74,18 @@ def slurm_records(job_ids: list[str]) -> dict[str, dict[str, str]]:
                 records[fields["JobId"]] = fields
         return records
     if config.get("AccountingStorageType", "").endswith("slurmdbd"):
-        out = subprocess.run(["sacct", "-X", "-P", "--noheader", "-j", ",".join(job_ids),
-                              "--format=JobID,State,NodeList,Start,End"],
-                             capture_output=True, text=True).stdout  # fmt: skip
+        out = subprocess.run(
+            ["sacct", "-X", "-P", "--noheader", "-j", ",".join(job_ids), "--format=JobID,State,NodeList,Start,End"],
+            capture_output=True,
+            text=True,
+        ).stdout
         rows = (line.split("|") for line in out.splitlines() if line)
         return {r[0]: {"JobState": r[1], "NodeList": r[2], "StartTime": r[3], "EndTime": r[4]} for r in rows}
-    out = subprocess.run(["squeue", "--states=all", "--noheader", "--jobs", ",".join(job_ids),
-                          "--format=%i|%T|%N|%S|%e"], capture_output=True, text=True).stdout  # fmt: skip
+    out = subprocess.run(
+        ["squeue", "--states=all", "--noheader", "--jobs", ",".join(job_ids), "--format=%i|%T|%N|%S|%e"],
+        capture_output=True,
+        text=True,
+    ).stdout
     rows = (line.split("|") for line in out.splitlines() if line)
     return {r[0]: {"JobState": r[1], "NodeList": r[2], "StartTime": r[3], "EndTime": r[4]} for r in rows}
 
@@ -124,8 +132,9 @@ def ids(path: Path) -> list[str]:
 
 
 def test_every_heavy_job_and_every_shard_was_its_own_slurm_job(submitted):
-    table = "\n".join(f"  {rule:<18} {w or '-':<10} {job}" for rule, jobs in sorted(submitted.items())
-                      for w, job in jobs)  # fmt: skip
+    table = "\n".join(
+        f"  {rule:<18} {w or '-':<10} {job}" for rule, jobs in sorted(submitted.items()) for w, job in jobs
+    )
     print(f"\nSLURM jobs (rule, wildcards, job id):\n{table}")
     for rule, shards in SHARDED.items():
         # The plugin's log directory holds the wildcard values: rule_generate/0, rule_generate/1.
@@ -143,8 +152,10 @@ def test_slurm_recorded_every_shard_job_as_completed(submitted):
     print("\nSLURM's record of the shard jobs:")
     for job, name in shard_jobs.items():
         record = records.get(job, {})
-        print(f"  {job:>6} {name:<16} {record.get('JobState')} on {record.get('NodeList')} "
-              f"{record.get('StartTime')} -> {record.get('EndTime')}")  # fmt: skip
+        print(
+            f"  {job:>6} {name:<16} {record.get('JobState')} on {record.get('NodeList')} "
+            f"{record.get('StartTime')} -> {record.get('EndTime')}"
+        )
     assert {job: records.get(job, {}).get("JobState") for job in shard_jobs} == dict.fromkeys(shard_jobs, "COMPLETED")
 
 
@@ -161,8 +172,9 @@ def test_the_same_questions_as_a_local_run(slurm_run, local_questions):
     row_ids = json.loads((results / "dataset/row_ids.json").read_text())
     assert sorted(row_ids) == sorted(everything)
     # Both extraction shards together hold every row once.
-    manifests = [json.loads((results / f"hidden_states/shard_{s}/manifest.json").read_text())
-                 for s in range(SHARDED["extract"])]  # fmt: skip
+    manifests = [
+        json.loads((results / f"hidden_states/shard_{s}/manifest.json").read_text()) for s in range(SHARDED["extract"])
+    ]
     assert all(m["vllm_layer_ids"] == [2, 3, 5, 6] for m in manifests)
     assert len(list((results / "hidden_states/all").glob("hs_*.safetensors"))) == len(row_ids)
 
@@ -172,8 +184,9 @@ def test_acceptance_is_that_of_the_local_demo(slurm_run):
     moves a little between runs, local or not."""
     workdir, _ = slurm_run
     result = json.loads((workdir / "results/eval/acceptance.json").read_text())
-    print(f"\nacceptance length {result['acceptance_length']:.2f}, untrained "
-          f"{result['untrained_acceptance_length']:.2f}")  # fmt: skip
+    print(
+        f"\nacceptance length {result['acceptance_length']:.2f}, untrained {result['untrained_acceptance_length']:.2f}"
+    )
     assert result["acceptance_length"] >= 2.5, result
     assert result["acceptance_length"] > result["untrained_acceptance_length"] + 1.0, result
 

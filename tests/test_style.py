@@ -1,4 +1,5 @@
-"""The workflow stays lint-clean and snakefmt-formatted (enforced in CI through the suite)."""
+"""The workflow stays lint-clean and formatted: snakemake --lint and snakefmt for the rules,
+ruff check and ruff format for the Python (enforced in CI through the suite)."""
 
 import subprocess
 import sys
@@ -18,3 +19,10 @@ def test_rule_files_are_snakefmt_formatted():
     snakefmt = Path(sys.executable).with_name("snakefmt")
     run = subprocess.run([str(snakefmt), "--check", *RULE_FILES], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_python_is_ruff_clean_and_formatted():
+    ruff = str(Path(sys.executable).with_name("ruff"))
+    for command in ([ruff, "check", "."], [ruff, "format", "--check", "."]):
+        run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        assert run.returncode == 0, run.stdout + run.stderr

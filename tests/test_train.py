@@ -15,11 +15,10 @@ from datasets import Dataset, load_from_disk
 from safetensors.torch import save_file
 from transformers import AutoConfig
 
-from draftsmith import speculators_cpu
+from draftsmith import speculators_cpu, train
 from draftsmith.demo_model import build_demo_model
 from draftsmith.layers import resolve_layers
 from draftsmith.slot import GpuSlotError
-from draftsmith import train
 from draftsmith.train import (
     TrainError,
     TrainPaths,
@@ -52,18 +51,38 @@ def dataset(target, tmp_path_factory) -> Path:
     rows = []
     for _ in range(ROWS):
         length = rng.randint(20, 40)
-        rows.append({"input_ids": [1] + [rng.randint(9, 200) for _ in range(length)],
-                     "loss_mask": [0] * 10 + [1] * (length - 9)})
+        rows.append(
+            {
+                "input_ids": [1] + [rng.randint(9, 200) for _ in range(length)],
+                "loss_mask": [0] * 10 + [1] * (length - 9),
+            }
+        )
     source = root / "rows.jsonl"
     source.write_text("".join(json.dumps(row) + "\n" for row in rows))
     output = root / "dataset"
     subprocess.run(
-        [sys.executable, "-m", "speculators", "prepare-data", "--model", str(target),
-         "--data", str(source), "--output", str(output), "--seq-length", "64",
-         "--no-skip-token-freq", "--token-freq-path", str(output / "token_freq.pt"),
-         "--num-preprocessing-workers", "1"],
-        check=True, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "speculators",
+            "prepare-data",
+            "--model",
+            str(target),
+            "--data",
+            str(source),
+            "--output",
+            str(output),
+            "--seq-length",
+            "64",
+            "--no-skip-token-freq",
+            "--token-freq-path",
+            str(output / "token_freq.pt"),
+            "--num-preprocessing-workers",
+            "1",
+        ],
+        check=True,
+        stdin=subprocess.DEVNULL,
+    )
     (output / "row_ids.json").write_text(json.dumps([f"q-{i}" for i in range(ROWS)]))
     return output
 
@@ -73,9 +92,13 @@ def hidden_states(dataset, tmp_path_factory) -> Path:
     """Random bf16 states of the right shape for every row; the token ids match the row."""
     directory = tmp_path_factory.mktemp("hidden_states")
     for row, input_ids in enumerate(load_from_disk(str(dataset)).with_format(None)["input_ids"]):
-        save_file({"hidden_states": torch.randn(len(input_ids), len(LAYERS), HIDDEN).to(torch.bfloat16),
-                   "token_ids": torch.tensor(input_ids)},
-                  directory / f"hs_{row}.safetensors")  # fmt: skip
+        save_file(
+            {
+                "hidden_states": torch.randn(len(input_ids), len(LAYERS), HIDDEN).to(torch.bfloat16),
+                "token_ids": torch.tensor(input_ids),
+            },
+            directory / f"hs_{row}.safetensors",
+        )
     return directory
 
 
@@ -86,8 +109,17 @@ def settings(target: Path, **training) -> dict:
         "device": "cpu",
         "gpu_slot": 1,
         "server": {"tensor_parallel_size": 1, "data_parallel_size": 1},
-        "training": {"epochs": 2, "lr": 1e-3, "draft_vocab_size": 100, "total_seq_len": 128,
-                     "num_layers": 1, "seed": 0, "stall_timeout_s": 600, "extra_args": [], **training},
+        "training": {
+            "epochs": 2,
+            "lr": 1e-3,
+            "draft_vocab_size": 100,
+            "total_seq_len": 128,
+            "num_layers": 1,
+            "seed": 0,
+            "stall_timeout_s": 600,
+            "extra_args": [],
+            **training,
+        },
     }
 
 
@@ -100,7 +132,10 @@ def test_trains_on_cpu_and_publishes_drafter(target, dataset, hidden_states, tmp
     run(settings(target), paths)
 
     assert sorted(p.name for p in paths.output.iterdir()) == [
-        "config.json", "model.safetensors", "training_metrics.json"]
+        "config.json",
+        "model.safetensors",
+        "training_metrics.json",
+    ]
     config = json.loads((paths.output / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3"
     assert config["eagle_aux_hidden_state_layer_ids"] == AUX_VLLM_IDS
@@ -164,8 +199,7 @@ def test_changed_arguments_or_unfinished_epoch_drop_checkpoints(target, dataset,
     reset_if_changed(paths, speculators_args(settings(target), plan, paths), 2, software)
     reset_if_changed(paths, speculators_args(settings(target, epochs=5), plan, paths), 5, software)
     assert (paths.checkpoints / "0").is_dir()  # more epochs continue
-    reset_if_changed(paths, speculators_args(settings(target, epochs=5), plan, paths), 5,
-                     {"speculators": "0.10.0"})  # fmt: skip
+    reset_if_changed(paths, speculators_args(settings(target, epochs=5), plan, paths), 5, {"speculators": "0.10.0"})
     assert not paths.checkpoints.exists()  # an upgraded trainer starts afresh
     (paths.checkpoints / "0").mkdir(parents=True)
     reset_if_changed(paths, speculators_args(settings(target, lr=0.1), plan, paths), 5, software)
@@ -174,21 +208,38 @@ def test_changed_arguments_or_unfinished_epoch_drop_checkpoints(target, dataset,
 
 def test_cuda_runs_one_torchrun_process_per_gpu_of_the_slot(tmp_path, monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    kimi = {**settings(Path("/models/kimi")), "device": "cuda", "gpu_slot": 8,
-            "layers": [2, 30, 58, 60],
-            "server": {"tensor_parallel_size": 8, "data_parallel_size": 1}}
+    kimi = {
+        **settings(Path("/models/kimi")),
+        "device": "cuda",
+        "gpu_slot": 8,
+        "layers": [2, 30, 58, 60],
+        "server": {"tensor_parallel_size": 8, "data_parallel_size": 1},
+    }
     plan = resolve_layers(kimi["layers"], 61)
     paths = stage_paths(tmp_path, tmp_path / "dataset", tmp_path / "hs")
 
     command = train_command(kimi, plan, paths, training_processes(kimi, granted=8))
 
-    assert command[:10] == [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                            "--nproc-per-node", "8", "-m", "draftsmith.speculators_cpu", "train",
-                            "--verifier-name-or-path"]  # fmt: skip
+    assert command[:10] == [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "8",
+        "-m",
+        "draftsmith.speculators_cpu",
+        "train",
+        "--verifier-name-or-path",
+    ]
     flags = " ".join(command)
     assert " --target-layer-ids 3 31 59 --" in flags
-    for expected in ("--on-missing raise", "--loss-implementation eager",
-                     f"--save-path {paths.checkpoints}", f"--hidden-states-path {tmp_path / 'hs'}"):
+    for expected in (
+        "--on-missing raise",
+        "--loss-implementation eager",
+        f"--save-path {paths.checkpoints}",
+        f"--hidden-states-path {tmp_path / 'hs'}",
+    ):
         assert expected in flags
     # The CPU-only flags stay off a GPU run (GPU configs need no extra_args to undo them).
     assert "--num-workers" not in flags and "--hidden-states-dtype" not in flags
@@ -200,7 +251,6 @@ def test_cuda_runs_one_torchrun_process_per_gpu_of_the_slot(tmp_path, monkeypatc
 
 def test_cpu_adaptations_leave_an_accelerator_machine_alone(monkeypatch):
     from speculators.train import cli
-
     from torch.optim import _muon
 
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
@@ -265,8 +315,12 @@ def test_checkpoints_survive_a_republish_but_not_new_data(dataset, hidden_states
 def run_stage_with_trainer(trainer_code: str, tmp_path: Path, stall_timeout_s: float) -> str:
     """run_trainer on a stand-in trainer, with the stage's stderr in a log file as under Snakemake."""
     trainer = [sys.executable, "-c", trainer_code]
-    stage = [sys.executable, "-c", f"from pathlib import Path; from draftsmith.train import run_trainer; "
-             f"run_trainer({trainer!r}, Path({str(tmp_path / 'metrics.jsonl')!r}), {stall_timeout_s})"]  # fmt: skip
+    stage = [
+        sys.executable,
+        "-c",
+        f"from pathlib import Path; from draftsmith.train import run_trainer; "
+        f"run_trainer({trainer!r}, Path({str(tmp_path / 'metrics.jsonl')!r}), {stall_timeout_s})",
+    ]
     log = tmp_path / "train.log"
     with log.open("w") as stderr:
         assert subprocess.run(stage, stderr=stderr, timeout=120).returncode != 0

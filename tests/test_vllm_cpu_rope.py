@@ -24,8 +24,13 @@ def deepseek_rope():
 
     with set_current_vllm_config(VllmConfig()):
         vllm_cpu_rope.register()
-        yield get_rope(64, max_position=512, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
-                       is_neox_style=False, dtype=torch.float32)  # fmt: skip
+        yield get_rope(
+            64,
+            max_position=512,
+            rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+            is_neox_style=False,
+            dtype=torch.float32,
+        )
 
 
 def test_vllm_finds_the_plugin_through_the_installed_entry_point():

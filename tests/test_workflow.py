@@ -29,9 +29,7 @@ pytestmark = pytest.mark.e2e
 
 
 def snakemake(workdir: Path, *args: str, timeout: int = 1800) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*SNAKEMAKE, *args], cwd=workdir, capture_output=True, text=True, timeout=timeout
-    )
+    return subprocess.run([*SNAKEMAKE, *args], cwd=workdir, capture_output=True, text=True, timeout=timeout)
 
 
 def planned_jobs(output: str) -> dict[str, int]:
@@ -62,8 +60,12 @@ def demo_run(tmp_path_factory):
 
 def test_demo_reaches_the_acceptance_goal_and_beats_an_untrained_drafter(demo_run):
     result = json.loads((demo_run / "results/eval/acceptance.json").read_text())
-    for key in ("acceptance_length", "acceptance_per_position", "tokens_per_s_with_drafter",
-                "tokens_per_s_without_drafter"):  # fmt: skip
+    for key in (
+        "acceptance_length",
+        "acceptance_per_position",
+        "tokens_per_s_with_drafter",
+        "tokens_per_s_without_drafter",
+    ):
         assert key in result
     assert len(result["acceptance_per_position"]) == 3
     assert result["acceptance_length"] >= 2.5, result
@@ -202,8 +204,9 @@ def expected_reruns(base: dict, changed: dict, key: str) -> set[str]:
     if key in WHERE:
         found = set(reruns(key))
     else:
-        found = downstream(rule for rule in RULE_ORDER
-                           if tracked_settings(base, rule) != tracked_settings(changed, rule))  # fmt: skip
+        found = downstream(
+            rule for rule in RULE_ORDER if tracked_settings(base, rule) != tracked_settings(changed, rule)
+        )
     if not changed["target"]["build_demo"]:
         found.discard("demo_model")
     if not changed["evaluation"]["compare_untrained"]:
@@ -217,11 +220,10 @@ def test_each_key_changed_alone_plans_exactly_what_the_table_says(demo_run):
     base = demo_config(demo_run)
     other_source = dict(MATRIX)["questions.source"]
     shutil.copy(demo_run / base["questions"]["source"], demo_run / other_source)
-    cases = {f"{key}={json.dumps(value)}": (key, changed_config(base, key, value))
-             for key, value in MATRIX}  # fmt: skip
+    cases = {f"{key}={json.dumps(value)}": (key, changed_config(base, key, value)) for key, value in MATRIX}
     with ThreadPoolExecutor(2) as pool:  # dry runs only read; two at a time on two cores
         jobs = pool.map(lambda item: dry_run(demo_run, item[1][1], f"matrix_{item[0]}"), enumerate(cases.values()))
-        planned = dict(zip(cases, jobs))
+        planned = dict(zip(cases, jobs, strict=True))
     wrong = {}
     for case, (key, config) in cases.items():
         expected = expected_reruns(base, config, key)
@@ -286,8 +288,7 @@ def test_forced_reruns_reuse_finished_work(demo_run):
     results = demo_run / "results"
     checkpoint = next((results / ".staging/train/checkpoints").glob("[0-9]*/model.safetensors"))
     checkpoint_written = checkpoint.stat().st_mtime_ns
-    run = snakemake(demo_run, "--forcerun", "extract", "--until", "train",
-                    "--cores", "all", "--resources", "gpu=8")  # fmt: skip
+    run = snakemake(demo_run, "--forcerun", "extract", "--until", "train", "--cores", "all", "--resources", "gpu=8")
     assert run.returncode == 0, run.stderr[-5000:]
     for log in sorted((results / "logs/extract").glob("shard_*.log")):
         text = log.read_text()

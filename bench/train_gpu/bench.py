@@ -97,9 +97,16 @@ def stage_argv(data: Path, save: Path, total_seq_len: int, extra: list[str]) -> 
 
     settings = {
         "target": {"model": str(data / "verifier"), "trust_remote_code": False},
-        "training": {"draft_vocab_size": 32000, "num_layers": 1, "epochs": 1, "lr": 0.0001,
-                     "total_seq_len": total_seq_len, "seed": 0, "extra_args": extra},
-    }  # fmt: skip
+        "training": {
+            "draft_vocab_size": 32000,
+            "num_layers": 1,
+            "epochs": 1,
+            "lr": 0.0001,
+            "total_seq_len": total_seq_len,
+            "seed": 0,
+            "extra_args": extra,
+        },
+    }
     paths = TrainPaths(data / "dataset", data / "hidden_states", save, save)
     return speculators_args(settings, resolve_layers([2, 30, 58, 60], 61), paths)
 
@@ -125,18 +132,30 @@ def run_one(name: str, data: Path, work: Path, timeout: float) -> dict:
     argv = stage_argv(data, work / "save", total_seq_len, extra)
     # --mask-token-id: the synthetic verifier has no tokenizer to resolve it from.
     argv += ["--max-steps", str(steps), "--mask-token-id", "0"]
-    env = {**os.environ, **env_extra, "COLUMNS": "200", "BENCH_WARMUP": str(WARMUP),
-           "BENCH_RESULT": str(work / "result.json"),
-           "DRAFTSMITH_METRICS_FILE": str(work / "metrics.jsonl"),
-           "PYTHONPATH": os.pathsep.join([str(REPO / "workflow"), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "1", str(REPO / "bench/train_gpu/timed_train.py"), *argv]  # fmt: skip
+    env = {
+        **os.environ,
+        **env_extra,
+        "COLUMNS": "200",
+        "BENCH_WARMUP": str(WARMUP),
+        "BENCH_RESULT": str(work / "result.json"),
+        "DRAFTSMITH_METRICS_FILE": str(work / "metrics.jsonl"),
+        "PYTHONPATH": os.pathsep.join([str(REPO / "workflow"), os.environ.get("PYTHONPATH", "")]),
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        str(REPO / "bench/train_gpu/timed_train.py"),
+        *argv,
+    ]
     record = {"name": name, "total_seq_len": total_seq_len, "extra_args": extra, "env": env_extra}
     started = time.perf_counter()
     with open(work / "log.txt", "w") as log:
         # Own process group: on a timeout torchrun and its trainer go together.
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)  # fmt: skip
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -152,8 +171,13 @@ def run_one(name: str, data: Path, work: Path, timeout: float) -> dict:
         record["status"] = f"failed ({code})"
         lines = (work / "log.txt").read_text(errors="replace").splitlines()
         # The child's own exception lines, not torchrun's ChildFailedError summary.
-        errors = [line for line in lines if re.search(r"\w(Error|Exception|Unsupported)\b", line)
-                  and "ChildFailedError" not in line and "elastic" not in line]  # fmt: skip
+        errors = [
+            line
+            for line in lines
+            if re.search(r"\w(Error|Exception|Unsupported)\b", line)
+            and "ChildFailedError" not in line
+            and "elastic" not in line
+        ]
         record["errors"] = [line[:300] for line in errors[-5:]]
         record["error_tail"] = [line[:300] for line in lines[-25:]]
     return record
@@ -164,8 +188,11 @@ def step_profile(metrics: Path) -> dict:
     over the measured steps; logged only on log_freq steps."""
     if not metrics.is_file():
         return {}
-    profiles = [r["profile"] for r in map(json.loads, metrics.read_text().splitlines())
-                if r.get("profile") and r["global_step"] >= WARMUP]  # fmt: skip
+    profiles = [
+        r["profile"]
+        for r in map(json.loads, metrics.read_text().splitlines())
+        if r.get("profile") and r["global_step"] >= WARMUP
+    ]
     keys = ("fetch_ms", "fwd_ms", "bwd_ms", "opt_ms", "step_ms")
     return {k: statistics.median(p[k] for p in profiles) for k in keys} if profiles else {}
 
@@ -194,9 +221,11 @@ def command_run(args: argparse.Namespace) -> None:
         with results.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
         rate = record.get("tokens", 0) / record.get("seconds", 1)
-        print(f"{name}: {record['status']} {rate:,.0f} tok/s, "
-              f"{record.get('peak_reserved_gib', 0):.1f} GiB reserved, wall {record['wall_s']:.0f} s",
-              flush=True)  # fmt: skip
+        print(
+            f"{name}: {record['status']} {rate:,.0f} tok/s, "
+            f"{record.get('peak_reserved_gib', 0):.1f} GiB reserved, wall {record['wall_s']:.0f} s",
+            flush=True,
+        )
         if record["status"] != "ok":
             print("\n".join(record["errors"] + record["error_tail"][-10:]), flush=True)
     end_peak = matmul_peak_tflops()
@@ -213,8 +242,10 @@ def command_run(args: argparse.Namespace) -> None:
 def flops_per_token(shape: dict, ttt: int) -> float:
     """Matmul model FLOPs per real token (module docstring)."""
     h, d, heads, kv = shape["hidden"], shape["head_dim"], shape["heads"], shape["kv_heads"]
-    layers = [(2 * h if i == 0 else h) * (heads + 2 * kv) * d + heads * d * h
-              + 3 * h * shape["intermediate"] for i in range(shape["layers"])]  # fmt: skip
+    layers = [
+        (2 * h if i == 0 else h) * (heads + 2 * kv) * d + heads * d * h + 3 * h * shape["intermediate"]
+        for i in range(shape["layers"])
+    ]
     vocab = shape["draft_vocab"]
     return ttt * 6 * (sum(layers) + h * vocab) + 4 * shape["aux_layers"] * h * h + 2 * h * vocab
 
@@ -248,9 +279,14 @@ def command_summarize(args: argparse.Namespace) -> None:
     rows = []
     for name, reps in by_name.items():
         ok = [r for r in reps if r["status"] == "ok"]
-        row = {"name": name, "total_seq_len": reps[0]["total_seq_len"],
-               "extra_args": reps[0]["extra_args"], "env": reps[0]["env"],
-               "runs": len(reps), "ok": len(ok)}  # fmt: skip
+        row = {
+            "name": name,
+            "total_seq_len": reps[0]["total_seq_len"],
+            "extra_args": reps[0]["extra_args"],
+            "env": reps[0]["env"],
+            "runs": len(reps),
+            "ok": len(ok),
+        }
         if not ok:
             row["error"] = (reps[0]["errors"] or reps[0]["error_tail"])[-1].strip()
             rows.append(row)
@@ -259,20 +295,29 @@ def command_summarize(args: argparse.Namespace) -> None:
         for key in derived[0]:
             row[key] = statistics.median(d[key] for d in derived)
         rates = [d["tokens_per_s"] for d in derived]
-        row.update(tokens_per_s_min=min(rates), tokens_per_s_max=max(rates),
-                   peak_allocated_gib=max(r["peak_allocated_gib"] for r in ok),
-                   peak_reserved_gib=max(r["peak_reserved_gib"] for r in ok),
-                   first_step_s=statistics.median(r["first_step_s"] for r in ok),
-                   profile=ok[0]["profile"], shape=ok[0]["shape"])  # fmt: skip
+        row.update(
+            tokens_per_s_min=min(rates),
+            tokens_per_s_max=max(rates),
+            peak_allocated_gib=max(r["peak_allocated_gib"] for r in ok),
+            peak_reserved_gib=max(r["peak_reserved_gib"] for r in ok),
+            first_step_s=statistics.median(r["first_step_s"] for r in ok),
+            profile=ok[0]["profile"],
+            shape=ok[0]["shape"],
+        )
         rows.append(row)
     rows.sort(key=lambda row: list(CONFIGS).index(row["name"]))
     base = next((r["tokens_per_s"] for r in rows if r["name"] == "default" and r["ok"]), None)
     for row in rows:
         if base and row.get("tokens_per_s"):
             row["speedup"] = row["tokens_per_s"] / base
-    summary = {"gpu": peaks[0]["gpu"], "torch": peaks[0]["torch"], "matmul_peak_tflops": peak,
-               "matmul_peaks": [[p["start"], p["end"]] for p in peaks], "configs": rows,
-               "runs": runs}  # fmt: skip
+    summary = {
+        "gpu": peaks[0]["gpu"],
+        "torch": peaks[0]["torch"],
+        "matmul_peak_tflops": peak,
+        "matmul_peaks": [[p["start"], p["end"]] for p in peaks],
+        "configs": rows,
+        "runs": runs,
+    }
     for r in runs:
         r.pop("error_tail", None)  # the exception lines stay in "errors"
     args.json.write_text(json.dumps(summary, indent=1) + "\n")
@@ -316,8 +361,10 @@ def markdown(summary: dict) -> str:
     for r in summary["configs"]:
         flags = " ".join(r["extra_args"] + [f"{k}={v}" for k, v in r["env"].items()]) or "(stage)"
         if not r["ok"]:
-            lines.append(f"| {r['name']} | {r['total_seq_len']} | `{flags}` | {r['runs']} | "
-                         f"failed: {r['error'][:110]} | | | | | | | | |")  # fmt: skip
+            lines.append(
+                f"| {r['name']} | {r['total_seq_len']} | `{flags}` | {r['runs']} | "
+                f"failed: {r['error'][:110]} | | | | | | | | |"
+            )
             continue
         p = r["profile"]
         prof = f"{p['fwd_ms']:.0f} / {p['bwd_ms']:.0f} / {p['opt_ms']:.0f}" if p else "-"
@@ -338,9 +385,12 @@ def main() -> None:
     run.add_argument("--data", type=Path, required=True, help="make_synthetic.py --out")
     run.add_argument("--out", type=Path, required=True)
     run.add_argument("--work", type=Path, default=Path("/tmp/train_bench_runs"))
-    run.add_argument("--runs", default="default,seq32k,flex_seq32k,fused_loss,seq16k,"
-                     "flex_seq32k_w4_log50,default,flex,adamw,flex_seq32k,log_freq50,"
-                     "flex_seq32k_w4_log50,default,workers4")  # as measured, less the 64k OOM
+    run.add_argument(
+        "--runs",
+        default="default,seq32k,flex_seq32k,fused_loss,seq16k,"
+        "flex_seq32k_w4_log50,default,flex,adamw,flex_seq32k,log_freq50,"
+        "flex_seq32k_w4_log50,default,workers4",
+    )  # as measured, less the 64k OOM
     run.add_argument("--budget-s", type=float, default=3600)
     run.add_argument("--run-timeout-s", type=float, default=600)
     run.add_argument("--expect-s", type=float, default=90, help="guess for a config's first run")

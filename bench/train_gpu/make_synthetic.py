@@ -92,11 +92,13 @@ def write_dataset(out: Path, rows: list[torch.Tensor], n_rows: int) -> None:
     from datasets import Dataset  # imported late: only needed here
 
     ids = [rows[r % len(rows)] for r in range(n_rows)]
-    data = Dataset.from_dict({
-        "input_ids": [t.tolist() for t in ids],
-        "loss_mask": [loss_mask(len(t)) for t in ids],
-        "seq_len": [len(t) for t in ids],
-    })  # fmt: skip
+    data = Dataset.from_dict(
+        {
+            "input_ids": [t.tolist() for t in ids],
+            "loss_mask": [loss_mask(len(t)) for t in ids],
+            "seq_len": [len(t) for t in ids],
+        }
+    )
     data.set_format(type="torch")  # as prepare-data leaves it
     data.save_to_disk(str(out))
     # token_freq.pt: {token id: count over loss-masked tokens}, as prepare-data writes it.
@@ -104,7 +106,7 @@ def write_dataset(out: Path, rows: list[torch.Tensor], n_rows: int) -> None:
     for t in ids:
         counts += torch.bincount(t[len(t) // 10 :], minlength=VOCAB)
     nonzero = counts.nonzero().flatten()
-    torch.save(dict(zip(nonzero.tolist(), counts[nonzero].tolist())), out / "token_freq.pt")
+    torch.save(dict(zip(nonzero.tolist(), counts[nonzero].tolist(), strict=True)), out / "token_freq.pt")
 
 
 def write_hidden_states(out: Path, rows: list[torch.Tensor], n_rows: int, seed: int) -> None:

@@ -28,15 +28,15 @@ sys.path.insert(0, str(REPO / "workflow"))
 sys.path.insert(0, str(REPO / "bench/train_gpu"))
 
 from bench import CONFIGS, stage_argv  # noqa: E402
-
 from draftsmith.train import TrainError, launcher, run_trainer  # noqa: E402
 
 CONFIGS["default_seq128k"] = (131072, [], {})
 
 
 def gpu_memory_used_mib() -> int:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True).stdout  # fmt: skip
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"], capture_output=True, text=True
+    ).stdout
     return int(out.split()[0])
 
 

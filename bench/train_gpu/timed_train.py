@@ -51,10 +51,12 @@ def consume(self, batch, *args, **kwargs):
         doc = batch["document_ids"].flatten()
         doc = doc[doc >= 0]
         lengths = torch.unique_consecutive(doc, return_counts=True)[1].tolist()
-        steps.append({
-            "tokens": int(doc.numel()),
-            "keys": attention_keys(lengths, state["window"], state["ttt_steps"]),
-        })  # fmt: skip
+        steps.append(
+            {
+                "tokens": int(doc.numel()),
+                "keys": attention_keys(lengths, state["window"], state["ttt_steps"]),
+            }
+        )
     return original_consume(self, batch, *args, **kwargs)
 
 
@@ -106,7 +108,7 @@ def schedulers_step(self):
 def finish(trainer, t1: float) -> None:
     measured = steps[WARMUP:]
     ends = [state["t0"]] + [s["end"] for s in measured]
-    intervals = sorted(b - a for a, b in zip(ends, ends[1:]))
+    intervals = sorted(b - a for a, b in zip(ends, ends[1:], strict=False))
     result = {
         "warmup_steps": WARMUP,
         "measured_steps": len(measured),

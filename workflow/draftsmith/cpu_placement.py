@@ -78,8 +78,10 @@ def engine_cores_kept_free(server_pid: int) -> Iterator[None]:
             engine = _name(process).startswith(ENGINE_PROCESS_PREFIX)
             _pin(_thread_ids(process), bound if engine else frontend)
     _pin(_thread_ids(psutil.Process()), frontend)
-    log(f"CPU placement: vLLM's engine on cores {sorted(bound)}, its API server and this "
-        f"job's client on {sorted(frontend)}")  # fmt: skip
+    log(
+        f"CPU placement: vLLM's engine on cores {sorted(bound)}, its API server and this "
+        f"job's client on {sorted(frontend)}"
+    )
     try:
         yield
     finally:

@@ -83,16 +83,23 @@ def row_key(input_ids: list[int], loss_mask: list[int]) -> str:
 def prepare_data_command(settings: dict, merged: Path, output: Path) -> list[str]:
     dataset = settings["dataset"]
     argv = [
-        *SPECULATORS_CLI, "prepare-data",
-        "--model", settings["target"]["model"],
-        "--data", str(merged),
-        "--output", str(output),
-        "--seq-length", str(dataset["seq_length"]),
-        "--minimum-valid-tokens", str(dataset["min_trainable_tokens"]),
+        *SPECULATORS_CLI,
+        "prepare-data",
+        "--model",
+        settings["target"]["model"],
+        "--data",
+        str(merged),
+        "--output",
+        str(output),
+        "--seq-length",
+        str(dataset["seq_length"]),
+        "--minimum-valid-tokens",
+        str(dataset["min_trainable_tokens"]),
         "--no-skip-token-freq",
-        "--token-freq-path", str(output / "token_freq.pt"),
+        "--token-freq-path",
+        str(output / "token_freq.pt"),
         "--overwrite",
-    ]  # fmt: skip
+    ]
     if settings["target"]["trust_remote_code"]:
         argv.append("--trust-remote-code")
     return argv

@@ -108,27 +108,30 @@ def make_example(rng: random.Random, task: str | None = None) -> Example:
         numbers = [str(i) for i in range(low, high + 1)]
         if task == "count_up":
             question = rng.choice(
-                [f"count from {low} to {high}", f"please count from {low} to {high}",
-                 f"list the numbers from {low} to {high}"])
-            return Example(task, question, f"start at {low} go up by one stop at {high}",
-                           " ".join(numbers))
-        question = rng.choice([f"count down from {high} to {low}",
-                               f"count backwards from {high} to {low}"])
-        return Example(task, question, f"start at {high} go down by one stop at {low}",
-                       " ".join(reversed(numbers)))
+                [
+                    f"count from {low} to {high}",
+                    f"please count from {low} to {high}",
+                    f"list the numbers from {low} to {high}",
+                ]
+            )
+            return Example(task, question, f"start at {low} go up by one stop at {high}", " ".join(numbers))
+        question = rng.choice([f"count down from {high} to {low}", f"count backwards from {high} to {low}"])
+        return Example(task, question, f"start at {high} go down by one stop at {low}", " ".join(reversed(numbers)))
     if task == "count_by":
         step = rng.choice([2, 3, 5])
         length = rng.randint(3, 8)
         low = rng.randint(0, 99 - step * (length - 1))
         high = low + step * (length - 1)
-        question = rng.choice([f"count from {low} to {high} by {step}",
-                               f"count up from {low} to {high} by {step}"])
-        return Example(task, question, f"start at {low} go up by {step} stop at {high}",
-                       " ".join(str(i) for i in range(low, high + 1, step)))
+        question = rng.choice([f"count from {low} to {high} by {step}", f"count up from {low} to {high} by {step}"])
+        return Example(
+            task,
+            question,
+            f"start at {low} go up by {step} stop at {high}",
+            " ".join(str(i) for i in range(low, high + 1, step)),
+        )
     if task == "spell":
         word = rng.choice(WORDS)
-        question = rng.choice([f"spell the word {word}", f"spell {word}",
-                               f"write {word} letter by letter"])
+        question = rng.choice([f"spell the word {word}", f"spell {word}", f"write {word} letter by letter"])
         return Example(task, question, f"the word {word} has {len(word)} letters", " ".join(word))
     if task == "repeat":
         phrase = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 2)))
@@ -142,8 +145,7 @@ def example_messages(example: Example, system: str | None = None) -> list[dict[s
     """The example as a chat whose assistant turn carries the reasoning separately."""
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": example.question})
-    messages.append({"role": "assistant", "content": example.answer,
-                     "reasoning_content": example.reasoning})
+    messages.append({"role": "assistant", "content": example.answer, "reasoning_content": example.reasoning})
     return messages
 
 
@@ -191,21 +193,20 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     # WordPiece's decoder joins tokens with spaces (none of ours start with "##"): decode
     # round-trips the words, and vLLM's incremental DecodeStream yields " word" per step.
     backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t in CONTROL_TOKENS])
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CONTROL_TOKENS])
     backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
-        model_max_length=512)
+        tokenizer_object=backend, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK, model_max_length=512
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
 
-def render(tokenizer: PreTrainedTokenizerFast, messages: list[dict], *,
-           add_generation_prompt: bool = False) -> list[int]:
+def render(
+    tokenizer: PreTrainedTokenizerFast, messages: list[dict], *, add_generation_prompt: bool = False
+) -> list[int]:
     """Token ids of a chat rendered by the tokenizer's own template."""
-    text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -225,30 +226,58 @@ def model_config(tokenizer: PreTrainedTokenizerFast, architecture: str = "llama"
     if architecture == "deepseek_v3":
         return deepseek_config(tokenizer)
     return LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384,
-        num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
-        max_position_embeddings=512, tie_word_embeddings=False, rms_norm_eps=1e-5,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id)
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=6,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
 
 
 def deepseek_config(tokenizer: PreTrainedTokenizerFast) -> DeepseekV3Config:
     """MLA at DeepSeek's latent geometry, MoE with routed and shared experts (module docstring)."""
     return DeepseekV3Config(
-        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512,
-        moe_intermediate_size=256, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-        first_k_dense_replace=1, n_group=1, topk_group=1, topk_method="noaux_tc",
-        scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=1.0,
-        kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64,
-        v_head_dim=64, max_position_embeddings=512, rope_scaling=None,
-        tie_word_embeddings=False, rms_norm_eps=1e-5,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=256,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        norm_topk_prob=True,
+        routed_scaling_factor=1.0,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        max_position_embeddings=512,
+        rope_scaling=None,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
 
 
-def make_batch(tokenizer: PreTrainedTokenizerFast, rng: random.Random,
-               batch_size: int) -> dict[str, torch.Tensor]:
+def make_batch(tokenizer: PreTrainedTokenizerFast, rng: random.Random, batch_size: int) -> dict[str, torch.Tensor]:
     """Right-padded chat sequences; the loss covers the assistant turn and eos only
     (the question is random, so its loss would be an irreducible floor)."""
     rows, starts = [], []
@@ -259,7 +288,7 @@ def make_batch(tokenizer: PreTrainedTokenizerFast, rng: random.Random,
         prompt = render(tokenizer, messages[:-1], add_generation_prompt=True)
         full = render(tokenizer, messages)
         # Training and serving must agree: the served prompt is a prefix of the trained chat.
-        if full[:len(prompt)] != prompt:
+        if full[: len(prompt)] != prompt:
             raise AssertionError(f"chat template prefix mismatch for {example.question!r}")
         rows.append(full)
         starts.append(len(prompt))
@@ -267,10 +296,10 @@ def make_batch(tokenizer: PreTrainedTokenizerFast, rng: random.Random,
     input_ids = torch.full((batch_size, width), tokenizer.pad_token_id, dtype=torch.long)
     labels = torch.full((batch_size, width), -100, dtype=torch.long)
     attention_mask = torch.zeros((batch_size, width), dtype=torch.long)
-    for i, (row, start) in enumerate(zip(rows, starts)):
-        input_ids[i, :len(row)] = torch.tensor(row)
-        labels[i, start:len(row)] = torch.tensor(row[start:])
-        attention_mask[i, :len(row)] = 1
+    for i, (row, start) in enumerate(zip(rows, starts, strict=True)):
+        input_ids[i, : len(row)] = torch.tensor(row)
+        labels[i, start : len(row)] = torch.tensor(row[start:])
+        attention_mask[i, : len(row)] = 1
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
 
 
@@ -287,17 +316,25 @@ def log(message: str) -> None:
     print(f"[demo_model] {message}", file=sys.stderr, flush=True)
 
 
-def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, *, train_seconds: float,
-          seed: int, max_steps: int | None = None, min_steps: int = 0, batch_size: int = 32,
-          lr: float = 3e-3, log_every_s: float = 5.0) -> TrainStats:
+def train(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    train_seconds: float,
+    seed: int,
+    max_steps: int | None = None,
+    min_steps: int = 0,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    log_every_s: float = 5.0,
+) -> TrainStats:
     """AdamW for a wall-time budget; the cosine schedule runs on elapsed time, not steps,
     so a slower machine trains fewer steps but still ends at a small learning rate.
     `min_steps` extends the time on a busy machine (other jobs can starve the 2 cores)."""
     if train_seconds <= 0 and max_steps is None:
         raise ValueError("give a time budget (train_seconds > 0) or max_steps")
     rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01,
-                                  betas=(0.9, 0.98))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     model.train()
     start = last_log = time.monotonic()
     step, smoothed = 0, float("nan")
@@ -326,8 +363,10 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, *, train_s
             last_log = now
             elapsed = now - start
             eta = elapsed * (1 - progress) / max(progress, 1e-9)
-            log(f"step {step} loss {smoothed:.4f} lr {optimizer.param_groups[0]['lr']:.2e} "
-                f"elapsed {elapsed:.0f}s eta {eta:.0f}s")
+            log(
+                f"step {step} loss {smoothed:.4f} lr {optimizer.param_groups[0]['lr']:.2e} "
+                f"elapsed {elapsed:.0f}s eta {eta:.0f}s"
+            )
     seconds = time.monotonic() - start
     log(f"trained {step} steps in {seconds:.1f}s, final loss {smoothed:.4f}")
     model.eval()
@@ -335,8 +374,9 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, *, train_s
 
 
 @torch.no_grad()
-def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, *, seed: int,
-             per_task: int = 8) -> dict[str, float]:
+def evaluate(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, *, seed: int, per_task: int = 8
+) -> dict[str, float]:
     """Greedy exact-match accuracy per task on fresh examples (the chain's first sanity check)."""
     rng = random.Random(seed + 7919)
     accuracy = {}
@@ -346,17 +386,28 @@ def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, *, seed
             example = make_example(rng, task)
             prompt = render(tokenizer, example_messages(example)[:-1], add_generation_prompt=True)
             output = model.generate(
-                torch.tensor([prompt]), max_new_tokens=64, do_sample=False,
-                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-            text = tokenizer.decode(output[0, len(prompt):], skip_special_tokens=True)
+                torch.tensor([prompt]),
+                max_new_tokens=64,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            text = tokenizer.decode(output[0, len(prompt) :], skip_special_tokens=True)
             correct += text.strip() == example.assistant_content
         accuracy[task] = correct / per_task
     return accuracy
 
 
-def build_demo_model(output: Path, *, train_seconds: float = 60.0, seed: int = 0,
-                     max_steps: int | None = None, min_steps: int = 0,
-                     eval_per_task: int = 8, architecture: str = "llama") -> TrainStats:
+def build_demo_model(
+    output: Path,
+    *,
+    train_seconds: float = 60.0,
+    seed: int = 0,
+    max_steps: int | None = None,
+    min_steps: int = 0,
+    eval_per_task: int = 8,
+    architecture: str = "llama",
+) -> TrainStats:
     """Train and save the demo target into `output`, published by one atomic rename."""
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -365,10 +416,19 @@ def build_demo_model(output: Path, *, train_seconds: float = 60.0, seed: int = 0
     torch.set_flush_denormal(True)
     tokenizer = build_tokenizer()
     model = AutoModelForCausalLM.from_config(model_config(tokenizer, architecture))
-    log(f"vocab {len(tokenizer)} tokens, {sum(p.numel() for p in model.parameters()):,} params, "
-        f"{torch.get_num_threads()} threads, {train_seconds:g}s budget")
-    stats = train(model, tokenizer, train_seconds=train_seconds, seed=seed, max_steps=max_steps,
-                  min_steps=min_steps, lr=LEARNING_RATES[architecture])
+    log(
+        f"vocab {len(tokenizer)} tokens, {sum(p.numel() for p in model.parameters()):,} params, "
+        f"{torch.get_num_threads()} threads, {train_seconds:g}s budget"
+    )
+    stats = train(
+        model,
+        tokenizer,
+        train_seconds=train_seconds,
+        seed=seed,
+        max_steps=max_steps,
+        min_steps=min_steps,
+        lr=LEARNING_RATES[architecture],
+    )
     # bf16 is what vLLM serves; evaluate after the cast so the check matches serving.
     model = model.to(torch.bfloat16)
     if eval_per_task > 0:
@@ -381,11 +441,17 @@ def build_demo_model(output: Path, *, train_seconds: float = 60.0, seed: int = 0
         staging.chmod(0o755)  # mkdtemp makes it private; the published model is not
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id).save_pretrained(staging)
-        (staging / "draftsmith_demo.json").write_text(json.dumps(
-            {"seed": seed, "architecture": architecture, "train_seconds": train_seconds,
-             **asdict(stats)}, indent=2) + "\n")
+        GenerationConfig(
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        ).save_pretrained(staging)
+        (staging / "draftsmith_demo.json").write_text(
+            json.dumps(
+                {"seed": seed, "architecture": architecture, "train_seconds": train_seconds, **asdict(stats)}, indent=2
+            )
+            + "\n"
+        )
         publish(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -434,9 +500,15 @@ def question_rows(count: int = 1200, *, seed: int = 0, duplicates: int = 8) -> l
         elif shape == 8:
             rows.append({"id": row_id, "prompt": example.question})
         elif shape == 9 and len(rows) % 30 == 9:
-            rows.append({"id": row_id, "messages": [
-                {"role": "system", "content": rng.choice(SYSTEM_PROMPTS)},
-                {"role": "user", "content": example.question}]})
+            rows.append(
+                {
+                    "id": row_id,
+                    "messages": [
+                        {"role": "system", "content": rng.choice(SYSTEM_PROMPTS)},
+                        {"role": "user", "content": example.question},
+                    ],
+                }
+            )
         else:
             rows.append({"id": row_id, "messages": [{"role": "user", "content": example.question}]})
     for index in rng.sample(range(count), duplicates):
@@ -461,19 +533,23 @@ def write_questions(path: Path, *, count: int = 1200, seed: int = 0, duplicates:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m draftsmith.demo_model", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m draftsmith.demo_model",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands = parser.add_subparsers(dest="command")
     build = commands.add_parser("build", help="train and save the demo target (default)")
     build.add_argument("--output", type=Path, required=True, help="model directory to write")
-    build.add_argument("--train-seconds", type=float, default=60.0,
-                       help="wall-time budget (0: none, then --max-steps is the budget)")
+    build.add_argument(
+        "--train-seconds", type=float, default=60.0, help="wall-time budget (0: none, then --max-steps is the budget)"
+    )
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--max-steps", type=int, default=None, help="also stop after this many")
-    build.add_argument("--min-steps", type=int, default=400,
-                       help="train at least this many steps even past the time budget")
-    build.add_argument("--eval-per-task", type=int, default=8,
-                       help="greedy checks per task after training (0 skips)")
+    build.add_argument(
+        "--min-steps", type=int, default=400, help="train at least this many steps even past the time budget"
+    )
+    build.add_argument("--eval-per-task", type=int, default=8, help="greedy checks per task after training (0 skips)")
     build.add_argument("--architecture", choices=ARCHITECTURES, default="llama")
     questions = commands.add_parser("questions", help="write the demo question JSONL")
     questions.add_argument("--output", type=Path, required=True)
@@ -489,13 +565,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "questions":
-        lines = write_questions(args.output, count=args.count, seed=args.seed,
-                                duplicates=args.duplicates)
+        lines = write_questions(args.output, count=args.count, seed=args.seed, duplicates=args.duplicates)
         log(f"wrote {lines} rows to {args.output}")
         return 0
-    build_demo_model(args.output, train_seconds=args.train_seconds, seed=args.seed,
-                     max_steps=args.max_steps, min_steps=args.min_steps,
-                     eval_per_task=args.eval_per_task, architecture=args.architecture)
+    build_demo_model(
+        args.output,
+        train_seconds=args.train_seconds,
+        seed=args.seed,
+        max_steps=args.max_steps,
+        min_steps=args.min_steps,
+        eval_per_task=args.eval_per_task,
+        architecture=args.architecture,
+    )
     return 0
 
 

@@ -104,8 +104,12 @@ async def answer_all(endpoint: Endpoint, questions: list[dict], evaluation: dict
 
         async def answer(question: dict) -> None:
             nonlocal completion_tokens
-            payload = {"model": endpoint.model, "messages": question["messages"],
-                       "max_tokens": evaluation["max_tokens"], "temperature": 0.0}  # fmt: skip
+            payload = {
+                "model": endpoint.model,
+                "messages": question["messages"],
+                "max_tokens": evaluation["max_tokens"],
+                "temperature": 0.0,
+            }
             async with semaphore:
                 response = await post(payload)
             completion_tokens += response["usage"]["completion_tokens"]
@@ -116,8 +120,9 @@ async def answer_all(endpoint: Endpoint, questions: list[dict], evaluation: dict
     return completion_tokens, time.monotonic() - started
 
 
-def measure(settings: dict, questions: list[dict], speculative_config: dict | None, label: str,
-            attention: EvaluationAttention) -> Measurement:  # fmt: skip
+def measure(
+    settings: dict, questions: list[dict], speculative_config: dict | None, label: str, attention: EvaluationAttention
+) -> Measurement:
     extra = ["--speculative-config", json.dumps(speculative_config)] if speculative_config else []
     spec = ServerSpec.from_config(settings, extra_args=extra)
     spec = dataclasses.replace(spec, env={**spec.env, **attention.server_env()})
@@ -127,11 +132,14 @@ def measure(settings: dict, questions: list[dict], speculative_config: dict | No
         counters = spec_decode_counters(read_metrics(endpoint))
     positions = counters["per_position"]
     measurement = Measurement(
-        requests=len(questions), completion_tokens=tokens, seconds=seconds,
-        drafts=counters["drafts"], draft_tokens=counters["draft_tokens"],
+        requests=len(questions),
+        completion_tokens=tokens,
+        seconds=seconds,
+        drafts=counters["drafts"],
+        draft_tokens=counters["draft_tokens"],
         accepted_tokens=counters["accepted_tokens"],
         accepted_per_position=[positions.get(k, 0) for k in range(len(positions))],
-    )  # fmt: skip
+    )
     if speculative_config and not measurement.drafts:
         raise EvaluationError(
             f"vLLM reported no drafts while serving {speculative_config['model']}; the drafter was "
@@ -174,12 +182,18 @@ def plot(result: dict, path: Path) -> None:
     if "untrained_acceptance_per_position" in result:
         untrained = result["untrained_acceptance_per_position"]
         left.bar([p + 0.2 for p in positions], untrained, width=0.4, label="untrained drafter")
-    left.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.05),
-             title=f"acceptance length {result['acceptance_length']:.2f} of {result['max_acceptance_length']}")  # fmt: skip
+    left.set(
+        xlabel="draft position",
+        ylabel="acceptance rate",
+        ylim=(0, 1.05),
+        title=f"acceptance length {result['acceptance_length']:.2f} of {result['max_acceptance_length']}",
+    )
     left.set_xticks(list(positions))
     left.legend()
-    right.bar(["target alone", "target + drafter"],
-              [result["tokens_per_s_without_drafter"], result["tokens_per_s_with_drafter"]])  # fmt: skip
+    right.bar(
+        ["target alone", "target + drafter"],
+        [result["tokens_per_s_without_drafter"], result["tokens_per_s_with_drafter"]],
+    )
     right.set(ylabel="output tokens / s", title="throughput on held-out questions")
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -189,8 +203,7 @@ def plot(result: dict, path: Path) -> None:
 
 def speculative_config(drafter: Path, num_speculative_tokens: int) -> dict:
     """The value of vLLM's ``--speculative-config`` that serves ``drafter``."""
-    return {"model": str(drafter.resolve()), "method": "eagle3",
-            "num_speculative_tokens": num_speculative_tokens}  # fmt: skip
+    return {"model": str(drafter.resolve()), "method": "eagle3", "num_speculative_tokens": num_speculative_tokens}
 
 
 def read_heldout(path: Path, limit: int | None) -> list[dict]:
@@ -201,8 +214,16 @@ def read_heldout(path: Path, limit: int | None) -> list[dict]:
     return questions[:limit] if limit else questions
 
 
-def run(settings: dict, heldout: Path, drafter: Path, spec_config: Path, output: Path,
-        plot_path: Path, untrained_drafter: Path | None, granted_gpus: int | None) -> dict:  # fmt: skip
+def run(
+    settings: dict,
+    heldout: Path,
+    drafter: Path,
+    spec_config: Path,
+    output: Path,
+    plot_path: Path,
+    untrained_drafter: Path | None,
+    granted_gpus: int | None,
+) -> dict:
     check_gpu_slot(settings, granted_gpus)
     questions = read_heldout(heldout, settings["evaluation"]["limit"])
     k = settings["evaluation"]["num_speculative_tokens"]
@@ -215,8 +236,9 @@ def run(settings: dict, heldout: Path, drafter: Path, spec_config: Path, output:
     with_drafter = measure(settings, questions, speculative_config(drafter, k), "target + drafter", attention)
     untrained = None
     if untrained_drafter is not None:
-        untrained = measure(settings, questions, speculative_config(untrained_drafter, k),
-                            "untrained drafter", attention)  # fmt: skip
+        untrained = measure(
+            settings, questions, speculative_config(untrained_drafter, k), "untrained drafter", attention
+        )
     result = summarize(with_drafter, without, untrained, k)
     result["mla_disabled"] = attention.mla_disabled
     if attention.mla_disabled:
@@ -234,14 +256,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heldout", required=True, type=Path)
     parser.add_argument("--drafter", required=True, type=Path, help="the trained drafter directory")
     parser.add_argument("--untrained-drafter", type=Path, default=None, help="a baseline drafter")
-    parser.add_argument("--spec-config", required=True, type=Path,
-                        help="where to write the drafter's --speculative-config JSON")
+    parser.add_argument(
+        "--spec-config", required=True, type=Path, help="where to write the drafter's --speculative-config JSON"
+    )
     parser.add_argument("--output", required=True, type=Path)
     parser.add_argument("--plot", required=True, type=Path)
     parser.add_argument("--granted-gpus", type=int, default=None)
     args = parser.parse_args(argv)
-    run(read_settings(args.settings, "evaluate"), args.heldout, args.drafter, args.spec_config,
-        args.output, args.plot, args.untrained_drafter, args.granted_gpus)  # fmt: skip
+    run(
+        read_settings(args.settings, "evaluate"),
+        args.heldout,
+        args.drafter,
+        args.spec_config,
+        args.output,
+        args.plot,
+        args.untrained_drafter,
+        args.granted_gpus,
+    )
 
 
 if __name__ == "__main__":

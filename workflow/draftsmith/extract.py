@@ -38,12 +38,12 @@ from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.client import SPECULATORS_CLIENT
 from draftsmith.errors import DraftsmithError
 from draftsmith.layers import LayerPlan, resolve_layers
+from draftsmith.layout import HIDDEN_STATE_GLOB, SHARD_MANIFEST, hidden_state_file
 from draftsmith.progress import Progress, log
 from draftsmith.server import Endpoint, ServerSpec, import_in_background, managed_server
+from draftsmith.settings import item_settings
 from draftsmith.shard_gate import BadSample, check_sample, check_shard
 from draftsmith.slot import check_gpu_slot
-from draftsmith.layout import HIDDEN_STATE_GLOB, SHARD_MANIFEST, hidden_state_file
-from draftsmith.settings import item_settings
 from draftsmith.staging import fingerprint_of, matching_siblings, open_staging
 
 SHOW_FIRST = 5
@@ -155,9 +155,7 @@ def serving_dtype(config_dtype: torch.dtype | None, extra_args: Sequence[str]) -
 def target_shape(settings: dict) -> tuple[LayerPlan, SampleShape]:
     """Layer count, width and dtype from the target's config.json; layers resolved once."""
     target = settings["target"]
-    config = AutoConfig.from_pretrained(
-        target["model"], trust_remote_code=target.get("trust_remote_code", False)
-    )
+    config = AutoConfig.from_pretrained(target["model"], trust_remote_code=target.get("trust_remote_code", False))
     text_config = config.get_text_config()  # multimodal targets nest the LM config
     plan = resolve_layers(list(settings["layers"]), text_config.num_hidden_layers)
     dtype = serving_dtype(
@@ -181,10 +179,13 @@ def extraction_server_args(plan: LayerPlan, storage_dir: Path, dtype: torch.dtyp
         "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)},
     }
     return [
-        "--speculative-config", json.dumps(speculative),
-        "--kv-transfer-config", json.dumps(kv_transfer),
-        "--dtype", str(dtype).removeprefix("torch."),
-    ]  # fmt: skip
+        "--speculative-config",
+        json.dumps(speculative),
+        "--kv-transfer-config",
+        json.dumps(kv_transfer),
+        "--dtype",
+        str(dtype).removeprefix("torch."),
+    ]
 
 
 def check_settings(settings: dict, rows: ShardRows) -> None:
@@ -231,8 +232,7 @@ def rows_to_request(staging: Path, rows: ShardRows, shape: SampleShape) -> list[
     skipped = len(rows) - len(todo)
     log(f"resume: {skipped} of {len(rows)} rows already staged and valid, {len(todo)} to request")
     if corrupt:
-        log(f"resume: removed {len(corrupt)} staged file(s) that failed the gate: "
-            f"{_first_few(corrupt)}")  # fmt: skip
+        log(f"resume: removed {len(corrupt)} staged file(s) that failed the gate: {_first_few(corrupt)}")
     return todo
 
 
@@ -285,9 +285,7 @@ async def _extract_one(
         )
     try:
         if os.path.exists(vllm_path + ".lock"):
-            await wait_for_lock_async(
-                vllm_path + ".lock", timeout=timeout_s, poll_interval=LOCK_POLL_S
-            )
+            await wait_for_lock_async(vllm_path + ".lock", timeout=timeout_s, poll_interval=LOCK_POLL_S)
         await asyncio.to_thread(shape.check, Path(vllm_path), token_ids)
         os.replace(vllm_path, hidden_state_file(staging, row))
     finally:
@@ -320,9 +318,7 @@ async def extract_rows(
         """Extract one row with retries; the failure reason, or None when staged."""
         for number in itertools.count(1):
             try:
-                await _extract_one(
-                    client, endpoint, row, rows[row], staging, shape, timeout_s, in_flight
-                )
+                await _extract_one(client, endpoint, row, rows[row], staging, shape, timeout_s, in_flight)
                 return None
             except Exception as error:  # request, lock, gate or filesystem
                 reason = f"{type(error).__name__}: {error}"
@@ -352,9 +348,7 @@ async def extract_rows(
     # hard-codes api_key="EMPTY", so its client functions are used as a library here.
     # Its logger reports every final failure as "timed out"; failures are reported here.
     logging.getLogger("speculators.data_generation.vllm_client").setLevel(logging.CRITICAL)
-    async with openai.AsyncOpenAI(
-        base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0
-    ) as client:
+    async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0) as client:
         try:
             async with asyncio.TaskGroup() as group:
                 for row in todo:
@@ -427,8 +421,10 @@ def run(
     rows = load_shard(dataset_dir, shard, num_shards)
     plan, shape = target_shape(settings)
     check_settings(settings, rows)
-    log(f"shard {shard}/{num_shards}: rows {rows.rows.start}..{rows.rows.stop - 1}, "
-        f"vLLM layer ids {plan.vllm_ids}, hidden {shape.hidden_size}, {shape.dtype}")  # fmt: skip
+    log(
+        f"shard {shard}/{num_shards}: rows {rows.rows.start}..{rows.rows.stop - 1}, "
+        f"vLLM layer ids {plan.vllm_ids}, hidden {shape.hidden_size}, {shape.dtype}"
+    )
     items = item_settings(settings, "extract")
     open_staging(staging, items)
     _recover_interrupted_publish(publishing_dir(output), staging)
@@ -440,14 +436,10 @@ def run(
     todo = rows_to_request(staging, rows, shape)
     result = ExtractionResult(rows.rows, skipped=len(rows) - len(todo), requested=todo)
     if todo:
-        spec = ServerSpec.from_config(
-            settings, extra_args=extraction_server_args(plan, storage, shape.dtype)
-        )
+        spec = ServerSpec.from_config(settings, extra_args=extraction_server_args(plan, storage, shape.dtype))
         import_in_background(SPECULATORS_CLIENT)
         with managed_server(spec) as endpoint:
-            result.failures = asyncio.run(
-                extract_rows(endpoint, rows, todo, staging, shape, settings["extraction"])
-            )
+            result.failures = asyncio.run(extract_rows(endpoint, rows, todo, staging, shape, settings["extraction"]))
     if result.failures:
         raise ExtractionError(
             f"{len(result.failures)} of {len(rows)} rows failed: {_first_few(result.failures)}. "
@@ -474,8 +466,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--output", required=True, type=Path, help="published shard dir")
     parser.add_argument("--granted-gpus", type=int, default=None, help="what Snakemake granted")
     args = parser.parse_args(argv)
-    run(read_settings(args.settings, "extract"), args.dataset, args.shard, args.num_shards,
-        args.staging, args.output, args.granted_gpus)  # fmt: skip
+    run(
+        read_settings(args.settings, "extract"),
+        args.dataset,
+        args.shard,
+        args.num_shards,
+        args.staging,
+        args.output,
+        args.granted_gpus,
+    )
 
 
 if __name__ == "__main__":

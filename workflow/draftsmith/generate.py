@@ -38,8 +38,8 @@ from draftsmith.client import SPECULATORS_CLIENT, chat_poster, open_session
 from draftsmith.errors import DraftsmithError
 from draftsmith.progress import Progress, log
 from draftsmith.server import Endpoint, ServerSpec, import_in_background, managed_server
-from draftsmith.slot import check_gpu_slot
 from draftsmith.settings import item_settings
+from draftsmith.slot import check_gpu_slot
 from draftsmith.staging import matching_siblings, open_staging
 
 RECORDS = "records.jsonl"
@@ -269,10 +269,14 @@ def run(settings: dict, questions_path: Path, staging: Path, output: Path, grant
             with managed_server(spec, external=external_endpoint(settings)) as endpoint:
                 asked = asyncio.run(
                     answer_questions(
-                        endpoint, todo, writer,
-                        generation=generation, already_done=len(done), total=len(questions),
+                        endpoint,
+                        todo,
+                        writer,
+                        generation=generation,
+                        already_done=len(done),
+                        total=len(questions),
                     )
-                )  # fmt: skip
+                )
             tally = Tally(asked.ok, asked.truncated, tally.errors | asked.errors)
         finally:
             writer.close()

@@ -27,8 +27,14 @@ GRACE_S = 10.0
 # CPU trainer (bench/overhead.py), and a value above the cores vLLM binds made generation
 # ten times slower. Servers and trainers get the environment without them, so they size
 # their thread pools as when started by hand; server.env can still set them for vLLM.
-THREAD_CAPS = ("OMP_NUM_THREADS", "GOTO_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-               "MKL_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")  # fmt: skip
+THREAD_CAPS = (
+    "OMP_NUM_THREADS",
+    "GOTO_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+)
 
 
 def uncapped_environment(**extra: str) -> dict[str, str]:

@@ -64,9 +64,7 @@ class CpuSafeHiddenStatesConnector(ExampleHiddenStatesConnector):
 
     def _write_from_cpu_cache(self, pending: PendingSave) -> None:
         num_tokens = pending.token_ids.shape[0]
-        hidden_states = extract_from_kv_cache(
-            self._kv_cache, self._slot_mapping(pending.block_ids), num_tokens
-        )
+        hidden_states = extract_from_kv_cache(self._kv_cache, self._slot_mapping(pending.block_ids), num_tokens)
         tensors = {
             # Fancy indexing already copied; contiguous() makes the layout explicit,
             # and the blocks may be reused as soon as get_finished reports them.
@@ -76,9 +74,7 @@ class CpuSafeHiddenStatesConnector(ExampleHiddenStatesConnector):
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
         lock_fd = self._lock_fds.pop(pending.req_id, None)
         if lock_fd is None and self.use_lock:
-            lock_fd = os.open(
-                pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644
-            )
+            lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
         try:
             save_file(tensors, pending.filename)

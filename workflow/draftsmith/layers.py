@@ -56,9 +56,7 @@ def resolve_layers(config_layers: list[int], num_layers: int) -> LayerPlan:
                 f"(0..{num_layers - 1}); fix `layers` in the config"
             )
     if list(config_layers) != sorted(set(config_layers)):
-        raise LayerConfigError(
-            f"layers {config_layers} must be strictly increasing without repeats; fix `layers`"
-        )
+        raise LayerConfigError(f"layers {config_layers} must be strictly increasing without repeats; fix `layers`")
     if config_layers[-1] != num_layers - 1:
         raise LayerConfigError(
             f"the last entry of layers must be the final decoder layer {num_layers - 1} "

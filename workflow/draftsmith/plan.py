@@ -166,18 +166,37 @@ def format_plan(plan: dict) -> str:
     done = plan["done"]
     loads = plan["model_loads"]
     rows = [
-        ("questions (train / held out)", f"{plan['questions_train']:,} / {plan['questions_heldout']:,} ({plan['questions_counted_from']})"),
+        (
+            "questions (train / held out)",
+            f"{plan['questions_train']:,} / {plan['questions_heldout']:,} ({plan['questions_counted_from']})",
+        ),
         ("prompt tokens", f"{plan['prompt_tokens']:,} ({plan['tokens_basis']})"),
         ("completion tokens", f"{plan['completion_tokens']:,} ({plan['tokens_basis']})"),
         ("training tokens (<= seq_length per row)", f"{plan['training_tokens']:,}"),
-        ("hidden states", f"{human_bytes(plan['hidden_state_bytes'])} = tokens x {plan['stored_layers']} layers x {plan['hidden_size']} x 2 B"),
-        ("  still to write / free disk", f"{human_bytes(plan['hidden_state_bytes_to_write'])} / {human_bytes(plan['free_disk_bytes'])}"),
-        ("model loads: generation / extraction / evaluation", f"{loads['generation']} / {loads['extraction']} / {loads['evaluation']}"),
+        (
+            "hidden states",
+            f"{human_bytes(plan['hidden_state_bytes'])} = tokens x {plan['stored_layers']} layers"
+            f" x {plan['hidden_size']} x 2 B",
+        ),
+        (
+            "  still to write / free disk",
+            f"{human_bytes(plan['hidden_state_bytes_to_write'])} / {human_bytes(plan['free_disk_bytes'])}",
+        ),
+        (
+            "model loads: generation / extraction / evaluation",
+            f"{loads['generation']} / {loads['extraction']} / {loads['evaluation']}",
+        ),
         ("GPU slot (GPUs per heavy job) / TP x DP", f"{plan['gpu_slot']} / {plan['gpus_per_server']}"),
         ("done: generation shards / answers staged", f"{done['generation_shards_done']} / {done['answers_staged']:,}"),
-        ("done: extraction shards / files staged", f"{done['extraction_shards_done']} / {done['hidden_state_files_staged']:,}"),
-        ("done: drafter / evaluation", f"{'yes' if done['drafter_done'] else 'no'} / {'yes' if done['evaluation_done'] else 'no'}"),
-    ]  # fmt: skip
+        (
+            "done: extraction shards / files staged",
+            f"{done['extraction_shards_done']} / {done['hidden_state_files_staged']:,}",
+        ),
+        (
+            "done: drafter / evaluation",
+            f"{'yes' if done['drafter_done'] else 'no'} / {'yes' if done['evaluation_done'] else 'no'}",
+        ),
+    ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 

@@ -31,13 +31,13 @@ import typing
 from importlib import metadata
 from pathlib import Path
 
+from draftsmith import vllm_cpu_rope
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_config
 from draftsmith.errors import DraftsmithError
 from draftsmith.layers import LayerConfigError, resolve_layers
 from draftsmith.plan import existing_parent, plan_for, read_target_config
 from draftsmith.questions import is_local_source
-from draftsmith import vllm_cpu_rope
 from draftsmith.serving import MLA_DISABLE_ENV, ServingError, evaluation_attention, mla_latent_problem
 
 # (module, attribute): what draftsmith imports or loads from the two libraries.
@@ -56,21 +56,46 @@ REQUIRED_NAMES = [
 ]
 # `speculators train` flags the training stage passes.
 TRAIN_FLAGS = [
-    "--verifier-name-or-path", "--target-layer-ids", "--token-freq-path", "--draft-vocab-size",
-    "--epochs", "--lr", "--total-seq-len", "--seed", "--save-path", "--data-path",
-    "--hidden-states-path", "--on-missing", "--num-workers", "--draft-attn-impl",
-    "--loss-implementation", "--num-layers", "--hidden-states-dtype",
-]  # fmt: skip
+    "--verifier-name-or-path",
+    "--target-layer-ids",
+    "--token-freq-path",
+    "--draft-vocab-size",
+    "--epochs",
+    "--lr",
+    "--total-seq-len",
+    "--seed",
+    "--save-path",
+    "--data-path",
+    "--hidden-states-path",
+    "--on-missing",
+    "--num-workers",
+    "--draft-attn-impl",
+    "--loss-implementation",
+    "--num-layers",
+    "--hidden-states-dtype",
+]
 # `speculators prepare-data` options the dataset stage passes (its typer parameters).
 PREPARE_DATA_PARAMETERS = [
-    "model", "data", "output", "seq_length", "minimum_valid_tokens", "skip_token_freq",
-    "token_freq_path", "overwrite", "trust_remote_code",
-]  # fmt: skip
+    "model",
+    "data",
+    "output",
+    "seq_length",
+    "minimum_valid_tokens",
+    "skip_token_freq",
+    "token_freq_path",
+    "overwrite",
+    "trust_remote_code",
+]
 # vLLM server options (EngineArgs fields) the managed servers use.
 ENGINE_ARGS = [
-    "served_model_name", "max_model_len", "tensor_parallel_size", "data_parallel_size",
-    "trust_remote_code", "speculative_config", "kv_transfer_config",
-]  # fmt: skip
+    "served_model_name",
+    "max_model_len",
+    "tensor_parallel_size",
+    "data_parallel_size",
+    "trust_remote_code",
+    "speculative_config",
+    "kv_transfer_config",
+]
 SPECULATIVE_METHODS = ["extract_hidden_states", "eagle3"]
 
 
@@ -112,11 +137,15 @@ def check_vllm_plugin() -> list[str]:
     """vLLM finds draftsmith's plugin only through the installed package's entry point."""
     plugins = {entry.name: entry.value for entry in metadata.entry_points(group=vllm_cpu_rope.PLUGIN_GROUP)}
     if plugins.get(vllm_cpu_rope.PLUGIN_NAME) != vllm_cpu_rope.PLUGIN_VALUE:
-        return [f"vLLM will not load draftsmith's plugin {vllm_cpu_rope.PLUGIN_NAME} (without it the CPU build "
-                "serves DeepSeek/Kimi targets wrong); install draftsmith: pip install -e '.[cpu]'"]  # fmt: skip
+        return [
+            f"vLLM will not load draftsmith's plugin {vllm_cpu_rope.PLUGIN_NAME} (without it the CPU build "
+            "serves DeepSeek/Kimi targets wrong); install draftsmith: pip install -e '.[cpu]'"
+        ]
     allowed = os.environ.get("VLLM_PLUGINS")
     if allowed is not None and vllm_cpu_rope.PLUGIN_NAME not in allowed.split(","):
-        return [f"VLLM_PLUGINS={allowed} leaves out {vllm_cpu_rope.PLUGIN_NAME}; add it to the list or unset VLLM_PLUGINS"]
+        return [
+            f"VLLM_PLUGINS={allowed} leaves out {vllm_cpu_rope.PLUGIN_NAME}; add it to the list or unset VLLM_PLUGINS"
+        ]
     return []
 
 
@@ -269,8 +298,7 @@ def check_local_inputs(settings: dict) -> list[str]:
     a finished job, so a mistyped path after a run would otherwise pass as "nothing to do"."""
     source = settings["questions"]["source"]
     if is_local_source(source) and not Path(source).expanduser().exists():
-        return [f"questions.source {source} does not exist (a local path, not a hub id); "
-                "fix the path in the config"]  # fmt: skip
+        return [f"questions.source {source} does not exist (a local path, not a hub id); fix the path in the config"]
     return []
 
 
@@ -373,8 +401,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--install-cache", type=Path, help="where passed install checks are remembered")
     args = parser.parse_args(argv)
     settings = read_config(args.settings)
-    problems = run_checks(settings, args.results, target=not args.skip_target, gpus=not args.skip_gpus,
-                          install_cache=args.install_cache)  # fmt: skip
+    problems = run_checks(
+        settings, args.results, target=not args.skip_target, gpus=not args.skip_gpus, install_cache=args.install_cache
+    )
     for problem in problems:
         print(f"preflight: {problem}", file=sys.stderr)
     if problems:

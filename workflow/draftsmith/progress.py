@@ -65,7 +65,4 @@ class Progress:
         eta = format_duration(remaining / rate) if rate > 0 else "?"
         extra = "".join(f", {k} {v}" for k, v in sorted(self.counts.items()))
         percent = 100.0 * self.done / self.total if self.total else 100.0
-        return (
-            f"{self.label}: {self.done}/{self.total} ({percent:.0f}%), "
-            f"{rate:.2f}/s, ETA {eta}{extra}"
-        )
+        return f"{self.label}: {self.done}/{self.total} ({percent:.0f}%), {rate:.2f}/s, ETA {eta}{extra}"

@@ -94,10 +94,7 @@ def prompt_turns(row: Any) -> tuple[tuple[str, str], ...]:
 
 def content_hash(messages: tuple[tuple[str, str], ...]) -> str:
     """Hash of the normalized prompt: NFC, whitespace runs collapsed. Stable across runs."""
-    normalized = [
-        [role, " ".join(unicodedata.normalize("NFC", content).split())]
-        for role, content in messages
-    ]
+    normalized = [[role, " ".join(unicodedata.normalize("NFC", content).split())] for role, content in messages]
     payload = json.dumps(normalized, ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
@@ -225,9 +222,7 @@ def run(settings: dict, output_dir: Path) -> dict:
             f"no usable questions in {section['source']} ({counts['rows']} rows read, "
             f"{sum(bad.values())} bad); rows need messages, conversations or prompt with a user turn"
         )
-    shards, heldout = split_questions(
-        questions, section["heldout"], section["shards"], section["seed"]
-    )
+    shards, heldout = split_questions(questions, section["heldout"], section["shards"], section["seed"])
     output_dir.mkdir(parents=True, exist_ok=True)
     for index, shard in enumerate(shards):
         write_jsonl(output_dir / f"shard_{index}.jsonl", shard)

@@ -1,8 +1,8 @@
 """Figures and metadata for `snakemake --report`: where people would rather look than read.
 
-    python -m draftsmith.report completion-lengths OUT.png COMPLETIONS...
-    python -m draftsmith.report training-curves OUT.png TRAINING_METRICS.json
-    python -m draftsmith.report metadata OUT.txt --settings CONFIG
+python -m draftsmith.report completion-lengths OUT.png COMPLETIONS...
+python -m draftsmith.report training-curves OUT.png TRAINING_METRICS.json
+python -m draftsmith.report metadata OUT.txt --settings CONFIG
 """
 
 from __future__ import annotations
@@ -41,8 +41,11 @@ def plot_completion_lengths(completions: list[Path], output: Path) -> None:
     figure, axis = plt.subplots(figsize=(7, 4))
     axis.hist(lengths, bins=min(50, max(5, len(set(lengths)))))
     mean = sum(lengths) / len(lengths) if lengths else 0
-    axis.set(xlabel="completion tokens", ylabel="answers",
-             title=f"{len(lengths)} answers, mean {mean:.0f} tokens, {truncated} cut at max_tokens")  # fmt: skip
+    axis.set(
+        xlabel="completion tokens",
+        ylabel="answers",
+        title=f"{len(lengths)} answers, mean {mean:.0f} tokens, {truncated} cut at max_tokens",
+    )
     _save(figure, output)
 
 
@@ -58,8 +61,13 @@ def plot_training_curves(metrics_file: Path, output: Path) -> None:
         positions = sorted({k for e in epochs for k in e[split] if k.startswith("full_acc_")})
         for key in positions:
             position = int(key.rsplit("_", 1)[1])
-            acc_axis.plot(x, [e[split].get(key) for e in epochs], style, color=f"C{position}",
-                          label=f"{split} position {position + 1}")  # fmt: skip
+            acc_axis.plot(
+                x,
+                [e[split].get(key) for e in epochs],
+                style,
+                color=f"C{position}",
+                label=f"{split} position {position + 1}",
+            )
     loss_axis.set(xlabel="epoch", ylabel="loss", title="drafter loss")
     acc_axis.set(xlabel="epoch", ylabel="accuracy", ylim=(0, 1), title="draft token accuracy")
     loss_axis.legend()
@@ -73,8 +81,9 @@ SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
 def redact(value):
     """Values under secret-looking keys (HF_TOKEN, *_API_KEY...) never reach the report."""
     if isinstance(value, dict):
-        return {k: "<redacted>" if any(m in str(k).upper() for m in SECRET_MARKERS) else redact(v)
-                for k, v in value.items()}  # fmt: skip
+        return {
+            k: "<redacted>" if any(m in str(k).upper() for m in SECRET_MARKERS) else redact(v) for k, v in value.items()
+        }
     if isinstance(value, list):
         return [redact(v) for v in value]
     return value

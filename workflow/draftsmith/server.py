@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import os
 import secrets
 import signal
 import socket
@@ -91,15 +90,23 @@ class ServerSpec:
     def command(self, port: int) -> list[str]:
         """The argv of the server; a list, never a shell string (paths may hold anything)."""
         argv = [
-            sys.executable, "-m", VLLM_SERVER_MODULE,
-            "--model", self.model,
+            sys.executable,
+            "-m",
+            VLLM_SERVER_MODULE,
+            "--model",
+            self.model,
             # The model path as its served name: clients load the tokenizer from it.
-            "--served-model-name", self.model,
-            "--host", "127.0.0.1",
-            "--port", str(port),
-            "--tensor-parallel-size", str(self.tensor_parallel_size),
-            "--data-parallel-size", str(self.data_parallel_size),
-        ]  # fmt: skip
+            "--served-model-name",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--tensor-parallel-size",
+            str(self.tensor_parallel_size),
+            "--data-parallel-size",
+            str(self.data_parallel_size),
+        ]
         if self.max_model_len:
             argv += ["--max-model-len", str(self.max_model_len)]
         if self.trust_remote_code:
@@ -142,9 +149,7 @@ def _is_healthy(endpoint: Endpoint) -> bool:
         return False
 
 
-def wait_until_healthy(
-    process: subprocess.Popen, endpoint: Endpoint, log_path: Path | None, timeout_s: float
-) -> None:
+def wait_until_healthy(process: subprocess.Popen, endpoint: Endpoint, log_path: Path | None, timeout_s: float) -> None:
     """Poll /health; fail fast with the log tail if the process dies or time runs out."""
     started = time.monotonic()
     last_report = started

@@ -49,8 +49,7 @@ def _accepts(constraints: list, size: int) -> bool:
 
 def common_block_size(mla_backend, drafter_backend) -> int | None:
     """The largest block size the MLA backend offers that the drafter's backend accepts."""
-    offered = sorted((s for s in mla_backend.get_supported_kernel_block_sizes() if isinstance(s, int)),
-                     reverse=True)  # fmt: skip
+    offered = sorted((s for s in mla_backend.get_supported_kernel_block_sizes() if isinstance(s, int)), reverse=True)
     accepted = drafter_backend.get_supported_kernel_block_sizes()
     return next((size for size in offered if _accepts(accepted, size)), None)
 
@@ -76,16 +75,22 @@ def evaluation_attention(text_config: dict, device: str) -> EvaluationAttention:
     conflict = f"vLLM's {_describe(mla)} and {_describe(attention)} share no KV block size"
     qk_head = text_config["qk_nope_head_dim"] + text_config["qk_rope_head_dim"]
     if device == "cpu" and attention.supports_head_size(qk_head):
-        return EvaluationAttention(True, f"{conflict}; the evaluation servers run the target with "
-                                         f"{MLA_DISABLE_ENV}=1 (ordinary attention, same weights)")  # fmt: skip
+        return EvaluationAttention(
+            True,
+            f"{conflict}; the evaluation servers run the target with "
+            f"{MLA_DISABLE_ENV}=1 (ordinary attention, same weights)",
+        )
     if device == "cpu":
-        fix = (f"with MLA disabled its attention head {qk_head} (qk_nope_head_dim + qk_rope_head_dim) "
-               f"is not one {attention.get_name()} supports {attention.get_supported_head_sizes()}; "
-               "use a target with a supported head size")  # fmt: skip
+        fix = (
+            f"with MLA disabled its attention head {qk_head} (qk_nope_head_dim + qk_rope_head_dim) "
+            f"is not one {attention.get_name()} supports {attention.get_supported_head_sizes()}; "
+            "use a target with a supported head size"
+        )
     else:
         fix = "install the pinned vLLM (pip install -e '.[gpu]'), whose CUDA backends share one"
-    raise ServingError(f"the evaluation cannot serve this MLA target with an EAGLE-3 drafter on "
-                       f"{device}: {conflict}, and {fix}")  # fmt: skip
+    raise ServingError(
+        f"the evaluation cannot serve this MLA target with an EAGLE-3 drafter on {device}: {conflict}, and {fix}"
+    )
 
 
 def mla_latent_problem(text_config: dict, device: str) -> str | None:
@@ -97,6 +102,8 @@ def mla_latent_problem(text_config: dict, device: str) -> str | None:
     latent = text_config["kv_lora_rank"] + text_config["qk_rope_head_dim"]
     if mla.supports_head_size(latent):
         return None
-    return (f"vLLM's {mla.get_name()} serves latent heads {mla.get_supported_head_sizes()}, but this "
-            f"target's kv_lora_rank + qk_rope_head_dim = {latent}; use such a target, or set "
-            f"{MLA_DISABLE_ENV}: 1 in server.env")  # fmt: skip
+    return (
+        f"vLLM's {mla.get_name()} serves latent heads {mla.get_supported_head_sizes()}, but this "
+        f"target's kv_lora_rank + qk_rope_head_dim = {latent}; use such a target, or set "
+        f"{MLA_DISABLE_ENV}: 1 in server.env"
+    )

@@ -36,20 +36,47 @@ import yaml
 # Everything else in server.extra_args / server.env is presumed to change them (--dtype,
 # --quantization, --kv-cache-dtype, an attention backend...): an unknown option re-runs
 # rather than risk mixing numerics. These only move memory, batching, logging or placement.
-OPERATIONAL_SERVER_FLAGS = frozenset({
-    "--gpu-memory-utilization", "--enforce-eager", "--max-num-seqs", "--max-num-batched-tokens",
-    "--swap-space", "--cpu-offload-gb", "--kv-cache-memory-bytes", "--num-gpu-blocks-override",
-    "--disable-log-stats", "--disable-log-requests", "--enable-log-requests",
-    "--uvicorn-log-level", "--download-dir", "--max-parallel-loading-workers",
-    "--disable-custom-all-reduce", "--distributed-executor-backend", "--enable-prefix-caching",
-    "--no-enable-prefix-caching", "--enable-chunked-prefill", "--no-enable-chunked-prefill",
-})  # fmt: skip
-OPERATIONAL_SERVER_ENV = frozenset({
-    "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "HF_HUB_OFFLINE",
-    "TRANSFORMERS_OFFLINE", "HF_HOME", "VLLM_LOGGING_LEVEL", "VLLM_CACHE_ROOT",
-    "VLLM_RPC_TIMEOUT", "VLLM_ENGINE_READY_TIMEOUT_S", "VLLM_WORKER_MULTIPROC_METHOD",
-    "CUDA_VISIBLE_DEVICES", "TORCHINDUCTOR_CACHE_DIR",
-})  # fmt: skip
+OPERATIONAL_SERVER_FLAGS = frozenset(
+    {
+        "--gpu-memory-utilization",
+        "--enforce-eager",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--swap-space",
+        "--cpu-offload-gb",
+        "--kv-cache-memory-bytes",
+        "--num-gpu-blocks-override",
+        "--disable-log-stats",
+        "--disable-log-requests",
+        "--enable-log-requests",
+        "--uvicorn-log-level",
+        "--download-dir",
+        "--max-parallel-loading-workers",
+        "--disable-custom-all-reduce",
+        "--distributed-executor-backend",
+        "--enable-prefix-caching",
+        "--no-enable-prefix-caching",
+        "--enable-chunked-prefill",
+        "--no-enable-chunked-prefill",
+    }
+)
+OPERATIONAL_SERVER_ENV = frozenset(
+    {
+        "VLLM_CPU_KVCACHE_SPACE",
+        "VLLM_CPU_OMP_THREADS_BIND",
+        "OMP_NUM_THREADS",
+        "HF_HUB_OFFLINE",
+        "TRANSFORMERS_OFFLINE",
+        "HF_HOME",
+        "VLLM_LOGGING_LEVEL",
+        "VLLM_CACHE_ROOT",
+        "VLLM_RPC_TIMEOUT",
+        "VLLM_ENGINE_READY_TIMEOUT_S",
+        "VLLM_WORKER_MULTIPROC_METHOD",
+        "CUDA_VISIBLE_DEVICES",
+        "TORCHINDUCTOR_CACHE_DIR",
+    }
+)
 OPERATIONAL_ENV_PREFIXES = ("NCCL_",)
 
 # Distributions by the name a table row uses; the first one installed is the version.
@@ -88,16 +115,24 @@ def trainer_processes(config: dict) -> int:
 # Settings that are not config keys themselves: a part of one, or a value computed from some.
 # name -> (the config keys it comes from, how)
 DERIVED = {
-    "server.extra_args[numerics]": (("server.extra_args",), lambda c: [
-        g for g in server_flag_groups(c["server"]["extra_args"]) if not _operational_flag(g)]),
-    "server.extra_args[other]": (("server.extra_args",), lambda c: [
-        g for g in server_flag_groups(c["server"]["extra_args"]) if _operational_flag(g)]),
-    "server.env[numerics]": (("server.env",), lambda c: {
-        k: v for k, v in sorted(c["server"]["env"].items()) if not _operational_env(k)}),
-    "server.env[other]": (("server.env",), lambda c: {
-        k: v for k, v in sorted(c["server"]["env"].items()) if _operational_env(k)}),
+    "server.extra_args[numerics]": (
+        ("server.extra_args",),
+        lambda c: [g for g in server_flag_groups(c["server"]["extra_args"]) if not _operational_flag(g)],
+    ),
+    "server.extra_args[other]": (
+        ("server.extra_args",),
+        lambda c: [g for g in server_flag_groups(c["server"]["extra_args"]) if _operational_flag(g)],
+    ),
+    "server.env[numerics]": (
+        ("server.env",),
+        lambda c: {k: v for k, v in sorted(c["server"]["env"].items()) if not _operational_env(k)},
+    ),
+    "server.env[other]": (
+        ("server.env",),
+        lambda c: {k: v for k, v in sorted(c["server"]["env"].items()) if _operational_env(k)},
+    ),
     "trainer_processes": (("device", "gpu_slot"), trainer_processes),
-}  # fmt: skip
+}
 
 # The keys that say where results go: a new value starts over in the new place.
 WHERE = ("results_dir",)
@@ -118,36 +153,68 @@ class Stage:
         return self.shaping + self.extent
 
 
-SERVER_PLACEMENT = ("device", "gpu_slot", "server.tensor_parallel_size",
-                    "server.data_parallel_size")  # fmt: skip
+SERVER_PLACEMENT = ("device", "gpu_slot", "server.tensor_parallel_size", "server.data_parallel_size")
 SERVER_PATIENCE = ("server.max_model_len", "server.startup_timeout_s", "target.trust_remote_code")
 SERVER_NUMERICS = ("server.extra_args[numerics]", "server.env[numerics]")
 SERVER_OTHER = ("server.extra_args[other]", "server.env[other]")
 # Rules that take the demo target as an input when the workflow builds it.
 TARGET_READERS = ("generate", "dataset", "extract", "train", "untrained_drafter", "evaluate")
-DRAFTER_SHAPE = ("target.model", "layers", "training.draft_vocab_size", "training.num_layers",
-                 "training.seed", "training.extra_args")  # fmt: skip
+DRAFTER_SHAPE = (
+    "target.model",
+    "layers",
+    "training.draft_vocab_size",
+    "training.num_layers",
+    "training.seed",
+    "training.extra_args",
+)
 TRAINING_TIME = ("training.epochs", "training.lr", "training.total_seq_len")
-PLAN_READS = ("target.model", "layers", "questions", "generation.max_tokens",
-              "generation.endpoint", "dataset.seq_length", "extraction.shards", "gpu_slot",
-              "server.tensor_parallel_size", "server.data_parallel_size")  # fmt: skip
+PLAN_READS = (
+    "target.model",
+    "layers",
+    "questions",
+    "generation.max_tokens",
+    "generation.endpoint",
+    "dataset.seq_length",
+    "extraction.shards",
+    "gpu_slot",
+    "server.tensor_parallel_size",
+    "server.data_parallel_size",
+)
 
 STAGES: dict[str, Stage] = {
-    "demo_model": Stage(shaping=("target.model", "target.demo_architecture",
-                                 "target.demo_train_steps")),
-    "questions": Stage(shaping=("questions.source", "questions.split", "questions.subset",
-                                "questions.limit", "questions.heldout", "questions.shards",
-                                "questions.seed")),  # fmt: skip
+    "demo_model": Stage(shaping=("target.model", "target.demo_architecture", "target.demo_train_steps")),
+    "questions": Stage(
+        shaping=(
+            "questions.source",
+            "questions.split",
+            "questions.subset",
+            "questions.limit",
+            "questions.heldout",
+            "questions.shards",
+            "questions.seed",
+        )
+    ),
     # Answers are samples of the target: the engine that drew them (TP, device, vLLM
     # release) does not make a finished answer wrong, so only what the sample means counts.
     "generate": Stage(
-        shaping=("target.model", "generation.max_tokens", "generation.sampling",
-                 "generation.endpoint", *SERVER_NUMERICS),
+        shaping=(
+            "target.model",
+            "generation.max_tokens",
+            "generation.sampling",
+            "generation.endpoint",
+            *SERVER_NUMERICS,
+        ),
         extent=("target.build_demo",),
-        operational=(*SERVER_PLACEMENT, *SERVER_PATIENCE, *SERVER_OTHER, "generation.concurrency",
-                     "generation.request_timeout_s", "generation.max_retries",
-                     "generation.max_error_fraction"),
-    ),  # fmt: skip
+        operational=(
+            *SERVER_PLACEMENT,
+            *SERVER_PATIENCE,
+            *SERVER_OTHER,
+            "generation.concurrency",
+            "generation.request_timeout_s",
+            "generation.max_retries",
+            "generation.max_error_fraction",
+        ),
+    ),
     "dataset": Stage(
         shaping=("target.model", "dataset.seq_length", "dataset.min_trainable_tokens"),
         extent=("target.build_demo",),
@@ -159,15 +226,20 @@ STAGES: dict[str, Stage] = {
     "extract": Stage(
         shaping=("target.model", "layers", *SERVER_NUMERICS),
         extent=("target.build_demo", "extraction.shards"),
-        operational=(*SERVER_PLACEMENT, *SERVER_PATIENCE, *SERVER_OTHER, "extraction.concurrency",
-                     "extraction.request_timeout_s", "extraction.max_retries"),
+        operational=(
+            *SERVER_PLACEMENT,
+            *SERVER_PATIENCE,
+            *SERVER_OTHER,
+            "extraction.concurrency",
+            "extraction.request_timeout_s",
+            "extraction.max_retries",
+        ),
         software=("vllm",),
-    ),  # fmt: skip
+    ),
     "training_view": Stage(),
     "train": Stage(
         # The device picks the trainer's flags (fp32 on a CPU) and, with gpu_slot, its processes.
-        shaping=(*DRAFTER_SHAPE, "training.lr", "training.total_seq_len", "device",
-                 "trainer_processes"),
+        shaping=(*DRAFTER_SHAPE, "training.lr", "training.total_seq_len", "device", "trainer_processes"),
         extent=("target.build_demo", "training.epochs"),  # more epochs continue the checkpoints
         operational=(*SERVER_PLACEMENT, "target.trust_remote_code", "training.stall_timeout_s"),
         software=("speculators", "torch", "transformers"),
@@ -176,20 +248,28 @@ STAGES: dict[str, Stage] = {
     "untrained_drafter": Stage(
         shaping=(*DRAFTER_SHAPE, "device"),
         extent=("target.build_demo",),
-        operational=(*SERVER_PLACEMENT, *TRAINING_TIME, "target.trust_remote_code",
-                     "training.stall_timeout_s"),
+        operational=(*SERVER_PLACEMENT, *TRAINING_TIME, "target.trust_remote_code", "training.stall_timeout_s"),
         software=("speculators", "torch", "transformers"),
-    ),  # fmt: skip
+    ),
     # The evaluation measures throughput too, and every server option can move that.
     "evaluate": Stage(
-        shaping=("target.model", "device", "server.tensor_parallel_size",
-                 "server.data_parallel_size", *SERVER_NUMERICS, *SERVER_OTHER,
-                 "evaluation.num_speculative_tokens", "evaluation.max_tokens",
-                 "evaluation.concurrency", "evaluation.compare_untrained", "evaluation.limit"),
+        shaping=(
+            "target.model",
+            "device",
+            "server.tensor_parallel_size",
+            "server.data_parallel_size",
+            *SERVER_NUMERICS,
+            *SERVER_OTHER,
+            "evaluation.num_speculative_tokens",
+            "evaluation.max_tokens",
+            "evaluation.concurrency",
+            "evaluation.compare_untrained",
+            "evaluation.limit",
+        ),
         extent=("target.build_demo",),
         operational=("gpu_slot", *SERVER_PATIENCE),
         software=("vllm",),
-    ),  # fmt: skip
+    ),
     # Snapshots of the finished run: they re-run with the evaluation they read, and track
     # nothing themselves (a timeout change must not rewrite the report's plan).
     "plan_snapshot": Stage(operational=PLAN_READS),

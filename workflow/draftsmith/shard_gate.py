@@ -68,9 +68,7 @@ def _check_layout(path: Path, shapes: dict[str, list[int]], expected_shape: list
             f"{expected_shape} [tokens, layers, hidden]"
         )
     if shapes["token_ids"] != expected_shape[:1]:
-        raise BadSample(
-            f"{path}: token_ids has shape {shapes['token_ids']}, expected {expected_shape[:1]}"
-        )
+        raise BadSample(f"{path}: token_ids has shape {shapes['token_ids']}, expected {expected_shape[:1]}")
 
 
 def _check_values(path: Path, hidden_states: torch.Tensor) -> None:
@@ -115,7 +113,7 @@ def check_sample(
     with safe_open(str(path), framework="pt") as handle:
         token_ids = handle.get_tensor("token_ids").tolist()
         if token_ids != expected_token_ids:
-            first = next(i for i, (a, b) in enumerate(zip(token_ids, expected_token_ids)) if a != b)
+            first = next(i for i, (a, b) in enumerate(zip(token_ids, expected_token_ids, strict=True)) if a != b)
             raise BadSample(
                 f"{path}: token_ids differ from the dataset row at position {first} "
                 f"(file {token_ids[first]}, dataset {expected_token_ids[first]})"
@@ -137,15 +135,10 @@ def check_shard(
     failures = []
     for row, token_ids in rows.items():
         try:
-            check_sample(
-                hidden_state_file(directory, row), token_ids, num_layers_stored, hidden_size, dtype
-            )
+            check_sample(hidden_state_file(directory, row), token_ids, num_layers_stored, hidden_size, dtype)
         except BadSample as error:
             failures.append(str(error))
     if failures:
         shown = "; ".join(failures[:SHOW_FIRST])
         more = f"; and {len(failures) - SHOW_FIRST} more" if len(failures) > SHOW_FIRST else ""
-        raise BadSample(
-            f"{len(failures)} of {len(rows)} samples in {directory} failed the gate: "
-            f"{shown}{more}"
-        )
+        raise BadSample(f"{len(failures)} of {len(rows)} samples in {directory} failed the gate: {shown}{more}")

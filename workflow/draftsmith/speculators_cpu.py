@@ -56,8 +56,9 @@ def apply() -> bool:
     return True
 
 
-def newton_schulz_fp32(grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
-                       eps: float) -> torch.Tensor:  # fmt: skip
+def newton_schulz_fp32(
+    grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float
+) -> torch.Tensor:
     """torch's Muon orthogonalization (the same quintic Newton-Schulz iteration, see
     ``torch.optim._muon``) computed in fp32 instead of bfloat16. Our own because torch's
     hard-codes the bf16 cast; it is a few lines and its result is the more precise one."""

@@ -52,6 +52,7 @@ def matching_siblings(staging: Path) -> list[Path]:
     same settings as this one's (after ``open_staging``)."""
     mine = recorded_fingerprint(staging)
     return [
-        sibling for sibling in sorted(staging.parent.glob("shard_*"))
+        sibling
+        for sibling in sorted(staging.parent.glob("shard_*"))
         if sibling != staging and recorded_fingerprint(sibling) == mine
-    ]  # fmt: skip
+    ]

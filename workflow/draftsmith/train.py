@@ -43,10 +43,10 @@ from transformers import AutoConfig, PretrainedConfig
 from draftsmith.atomic import atomic_write_text, publish_directory
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.errors import DraftsmithError
+from draftsmith.guard import guarded, stop_process_group, uncapped_environment
 from draftsmith.layers import LayerPlan, resolve_layers
 from draftsmith.layout import HIDDEN_STATE_GLOB, SHARD_MANIFEST, hidden_state_file
 from draftsmith.progress import log, stderr_file
-from draftsmith.guard import guarded, stop_process_group, uncapped_environment
 from draftsmith.server import log_tail
 from draftsmith.settings import item_settings, trainer_processes
 from draftsmith.slot import GpuSlotError, check_gpu_slot
@@ -91,9 +91,7 @@ class TrainPaths:
 
 
 def target_text_config(target: dict) -> PretrainedConfig:
-    config = AutoConfig.from_pretrained(
-        target["model"], trust_remote_code=target.get("trust_remote_code", False)
-    )
+    config = AutoConfig.from_pretrained(target["model"], trust_remote_code=target.get("trust_remote_code", False))
     return config.get_text_config()  # multimodal targets nest the LM config
 
 
@@ -126,9 +124,7 @@ def check_dataset(dataset: Path) -> int:
 def check_hidden_states(paths: TrainPaths, rows: int, stored_layers: int, hidden_size: int) -> None:
     """Every row has its file (speculators would stop at the first gap, mid-epoch), and
     the first file has the stored layers and width this target and config imply."""
-    missing = [
-        row for row in range(rows) if not hidden_state_file(paths.hidden_states, row).is_file()
-    ]
+    missing = [row for row in range(rows) if not hidden_state_file(paths.hidden_states, row).is_file()]
     if missing:
         named = ", ".join(row_label(paths.dataset, row) for row in missing[:SHOW_MISSING])
         more = f" and {len(missing) - SHOW_MISSING} more" if len(missing) > SHOW_MISSING else ""
@@ -179,22 +175,36 @@ def speculators_args(settings: dict, plan: LayerPlan, paths: TrainPaths) -> list
     """Arguments of `speculators train` (flags from DESIGN.md's CPU and H200 runs)."""
     training = settings["training"]
     argv = [
-        "--verifier-name-or-path", settings["target"]["model"],
+        "--verifier-name-or-path",
+        settings["target"]["model"],
         # The auxiliary ids only: the last stored layer is the training target.
-        "--target-layer-ids", *map(str, plan.aux_vllm_ids),
-        "--token-freq-path", str(paths.dataset / "token_freq.pt"),
-        "--draft-vocab-size", str(training["draft_vocab_size"]),
-        "--num-layers", str(training["num_layers"]),
-        "--epochs", str(training["epochs"]),
-        "--lr", str(training["lr"]),
-        "--total-seq-len", str(training["total_seq_len"]),
-        "--seed", str(training["seed"]),
-        "--save-path", str(paths.checkpoints),
-        "--data-path", str(paths.dataset),
-        "--hidden-states-path", str(paths.hidden_states),
-        "--on-missing", "raise",  # never fall back to generating through a vLLM endpoint
-        "--loss-implementation", "eager",  # the fused Triton loss crashed under torch.compile
-    ]  # fmt: skip
+        "--target-layer-ids",
+        *map(str, plan.aux_vllm_ids),
+        "--token-freq-path",
+        str(paths.dataset / "token_freq.pt"),
+        "--draft-vocab-size",
+        str(training["draft_vocab_size"]),
+        "--num-layers",
+        str(training["num_layers"]),
+        "--epochs",
+        str(training["epochs"]),
+        "--lr",
+        str(training["lr"]),
+        "--total-seq-len",
+        str(training["total_seq_len"]),
+        "--seed",
+        str(training["seed"]),
+        "--save-path",
+        str(paths.checkpoints),
+        "--data-path",
+        str(paths.dataset),
+        "--hidden-states-path",
+        str(paths.hidden_states),
+        "--on-missing",
+        "raise",  # never fall back to generating through a vLLM endpoint
+        "--loss-implementation",
+        "eager",  # the fused Triton loss crashed under torch.compile
+    ]
     if settings["device"] == "cpu":
         argv += CPU_TRAINER_FLAGS
     if settings["target"]["trust_remote_code"]:
@@ -207,8 +217,7 @@ def launcher(settings: dict, processes: int) -> list[str]:
     if settings["device"] != "cuda":
         return [sys.executable, *entry]
     # --standalone: a private rendezvous on a free port, so two jobs on a host never collide.
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(processes), *entry]  # fmt: skip
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes), *entry]
 
 
 def train_command(settings: dict, plan: LayerPlan, paths: TrainPaths, processes: int) -> list[str]:
@@ -260,8 +269,13 @@ def inputs_fingerprint(paths: TrainPaths) -> str:
 def reset_if_changed(paths: TrainPaths, args: list[str], epochs: int, software: dict) -> None:
     """Drop checkpoints trained with other arguments, software or data, or past the
     requested epochs; more epochs than before continue them."""
-    recorded = [*without_epochs(args), "--software", json.dumps(software, sort_keys=True),
-                "--inputs", inputs_fingerprint(paths)]  # fmt: skip
+    recorded = [
+        *without_epochs(args),
+        "--software",
+        json.dumps(software, sort_keys=True),
+        "--inputs",
+        inputs_fingerprint(paths),
+    ]
     changed = paths.args_record.is_file() and json.loads(paths.args_record.read_text()) != recorded
     finished = epoch_dirs(paths.checkpoints)
     if changed or (finished and int(finished[-1].name) >= epochs):
@@ -276,8 +290,7 @@ def epoch_dirs(checkpoints: Path) -> list[Path]:
     if not checkpoints.is_dir():
         return []
     # Skip speculators' links (checkpoint_best, epoch3_end) and "interrupted", which it ignores.
-    found = [d for d in checkpoints.iterdir()
-             if d.is_dir() and not d.is_symlink() and d.name.isdigit()]
+    found = [d for d in checkpoints.iterdir() if d.is_dir() and not d.is_symlink() and d.name.isdigit()]
     return sorted(found, key=lambda d: int(d.name))
 
 
@@ -327,8 +340,7 @@ def run_trainer(command: list[str], metrics_file: Path, stall_timeout_s: float) 
     log("running: " + " ".join(command))
     sys.stderr.flush()
     # Under the guard, so torchrun's workers are stopped with it even after a SIGKILL.
-    process = subprocess.Popen(guarded(command), stdin=subprocess.DEVNULL, env=env,
-                               start_new_session=True)
+    process = subprocess.Popen(guarded(command), stdin=subprocess.DEVNULL, env=env, start_new_session=True)
     try:
         returncode = wait_while_writing(process, stall_timeout_s)
     finally:
@@ -363,8 +375,10 @@ def stage_drafter(epoch_dir: Path, plan: LayerPlan, drafter: Path) -> None:
     config = json.loads(config_path.read_text())
     model_type = config.get("speculators_model_type")
     if model_type != "eagle3":
-        raise TrainError(f"{epoch_dir}/config.json has speculators_model_type {model_type!r}, "
-                         "expected 'eagle3'; check training.extra_args")
+        raise TrainError(
+            f"{epoch_dir}/config.json has speculators_model_type {model_type!r}, "
+            "expected 'eagle3'; check training.extra_args"
+        )
     # vLLM captures exactly these ids at serving time: they must be the ones trained on.
     found = config.get("eagle_aux_hidden_state_layer_ids")
     if found != plan.aux_vllm_ids:
@@ -398,14 +412,17 @@ def epoch_metrics(metrics_file: Path) -> list[dict]:
     result = []
     for epoch in sorted(set(by_epoch) | set(validations)):
         train = by_epoch.get(epoch, [])
-        result.append({
-            "epoch": epoch,
-            "steps": len(train),
-            "train": {key: sum(step[key] for step in train) / len(train)
-                      for key in (train[0] if train else {})},
-            "val": {key.removesuffix("_epoch"): value
-                    for key, value in validations.get(epoch, {}).get("val", {}).items()},
-        })  # fmt: skip
+        result.append(
+            {
+                "epoch": epoch,
+                "steps": len(train),
+                "train": {key: sum(step[key] for step in train) / len(train) for key in (train[0] if train else {})},
+                "val": {
+                    key.removesuffix("_epoch"): value
+                    for key, value in validations.get(epoch, {}).get("val", {}).items()
+                },
+            }
+        )
     return result
 
 
@@ -444,13 +461,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", required=True, help=SETTINGS_HELP)
     parser.add_argument("--dataset", required=True, type=Path, help="prepared dataset directory")
-    parser.add_argument("--hidden-states", required=True, type=Path,
-                        help="directory of hs_<row>.safetensors")
+    parser.add_argument("--hidden-states", required=True, type=Path, help="directory of hs_<row>.safetensors")
     parser.add_argument("--staging", required=True, type=Path, help="checkpoints and partial work")
     parser.add_argument("--output", required=True, type=Path, help="drafter directory to publish")
     parser.add_argument("--granted-gpus", type=int, default=None)
-    parser.add_argument("--untrained", action="store_true",
-                        help="publish the initialized, untrained drafter (an evaluation baseline)")
+    parser.add_argument(
+        "--untrained", action="store_true", help="publish the initialized, untrained drafter (an evaluation baseline)"
+    )
     args = parser.parse_args(argv)
     # A SIGTERM (Snakemake, SLURM) unwinds through run_trainer's finally, which stops the trainer.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))

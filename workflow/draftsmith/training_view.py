@@ -40,7 +40,7 @@ def build_view(shards: list[Path], rows: int, output: Path) -> None:
         )
     output.parent.mkdir(parents=True, exist_ok=True)
     staged = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
-    for row, path in sorted(files.items()):
+    for _row, path in sorted(files.items()):
         (staged / path.name).symlink_to(os.path.relpath(path.resolve(), output.resolve().parent / output.name))
     publish_directory(staged, output)
     log(f"training view: {len(files)} links in {output}, 0 bytes of tensor data copied")
