@@ -3,13 +3,17 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test report lint slurm-site
+.PHONY: demo test test-fast report lint slurm-site
 
 demo: $(STAMP)
 	$(VENV)/bin/snakemake --cores all --resources gpu=8
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# Every module's logic without vLLM, training or the demo target: under 2 minutes.
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/snakemake --lint

@@ -35,6 +35,20 @@ SESSION_MARK = f"DRAFTSMITH_TEST_SESSION={uuid.uuid4().hex}"
 os.environ.update([SESSION_MARK.split("=")])
 
 
+# The fast tier (`make test-fast`) is every test not marked slow. A test is slow when it
+# starts vLLM (vllm), runs the workflow (e2e, slurm), runs the real trainer (training) or
+# needs the 400-step demo target (the demo_target fixture); the rest run in seconds.
+SLOW_MARKERS = {"vllm", "e2e", "slurm", "training"}
+SLOW_FIXTURES = {"demo_target"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        marked = {mark.name for mark in item.iter_markers()}
+        if marked & SLOW_MARKERS or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def demo_target(tmp_path_factory) -> Path:
     """The demo's tiny Llama, trained long enough to answer in its synthetic language."""

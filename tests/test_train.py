@@ -127,6 +127,7 @@ def stage_paths(root: Path, dataset: Path, hidden_states: Path) -> TrainPaths:
     return TrainPaths(dataset, hidden_states, root / "staging", root / "drafter")
 
 
+@pytest.mark.training
 def test_trains_on_cpu_and_publishes_drafter(target, dataset, hidden_states, tmp_path):
     paths = stage_paths(tmp_path, dataset, hidden_states)
     run(settings(target), paths)
@@ -168,6 +169,7 @@ def test_missing_hidden_states_fail_fast_naming_the_row(target, dataset, hidden_
     assert not paths.staging.exists()
 
 
+@pytest.mark.training
 def test_rerun_with_more_epochs_resumes_from_checkpoint(target, dataset, hidden_states, tmp_path, capfd):
     paths = stage_paths(tmp_path, dataset, hidden_states)
     run(settings(target, epochs=1), paths)
