@@ -144,6 +144,11 @@ def test_trains_on_cpu_and_publishes_drafter(target, dataset, hidden_states, tmp
     metrics = json.loads((paths.output / "training_metrics.json").read_text())
     assert [e["epoch"] for e in metrics["epochs"]] == [0, 1]
     assert metrics["published_epoch"] in (0, 1)
+    # speculators' vocabulary mappings land in training's own view, not in the dataset.
+    assert not list(dataset.glob("*.npy")) and sorted(p.name for p in paths.dataset_view.glob("*.npy")) == [
+        "d2t-100.npy",
+        "t2d-100.npy",
+    ]
     for epoch in metrics["epochs"]:
         assert epoch["steps"] > 0
         assert {"loss", "full_acc_0"} <= set(epoch["train"]) and {"loss", "full_acc_0"} <= set(epoch["val"])

@@ -77,6 +77,13 @@ class TrainPaths:
         return self.staging / "checkpoints"
 
     @property
+    def dataset_view(self) -> Path:
+        """What speculators reads as its --data-path: links to the published dataset's
+        files, because it writes its vocabulary mappings (d2t-N.npy, t2d-N.npy) into that
+        directory, and the dataset stage's output is not ours to change."""
+        return self.staging / "dataset"
+
+    @property
     def metrics(self) -> Path:
         return self.staging / "metrics.jsonl"
 
@@ -197,7 +204,7 @@ def speculators_args(settings: dict, plan: LayerPlan, paths: TrainPaths) -> list
         "--save-path",
         str(paths.checkpoints),
         "--data-path",
-        str(paths.dataset),
+        str(paths.dataset_view),
         "--hidden-states-path",
         str(paths.hidden_states),
         "--on-missing",
@@ -437,11 +444,25 @@ def publish(settings: dict, plan: LayerPlan, paths: TrainPaths, epoch_dir: Path)
     log(f"published epoch {epoch_dir.name} to {paths.output}")
 
 
+VOCABULARY_MAPPINGS = ("d2t-*.npy", "t2d-*.npy")
+
+
+def link_dataset_view(paths: TrainPaths) -> None:
+    """(Re)link the dataset's files into the view; mappings speculators wrote into the view
+    before are dropped with it (they are derived from token_freq.pt in a second)."""
+    shutil.rmtree(paths.dataset_view, ignore_errors=True)
+    paths.dataset_view.mkdir(parents=True)
+    skipped = {path for pattern in VOCABULARY_MAPPINGS for path in paths.dataset.glob(pattern)}
+    for path in sorted(set(paths.dataset.iterdir()) - skipped):
+        (paths.dataset_view / path.name).symlink_to(path.resolve())
+
+
 def run(settings: dict, paths: TrainPaths, granted: int | None = None, untrained: bool = False) -> None:
     processes = training_processes(settings, granted)
     plan = preflight(settings, paths)
     command = train_command(settings, plan, paths, processes)
     paths.staging.mkdir(parents=True, exist_ok=True)
+    link_dataset_view(paths)
     if untrained:
         # speculators' dry run: the same drafter, initialized and saved, never trained. The
         # evaluation serves it as the baseline that training must clearly beat.
