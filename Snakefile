@@ -26,12 +26,16 @@ if missing := check_local_inputs(config):
     raise WorkflowError(f"config: {missing[0]}")
 
 
-# common.smk puts this interpreter's bin first on PATH, so jobs run in the same environment.
+# startup.smk puts this interpreter's bin first on PATH, so jobs run in the same environment.
 envvars:
     "PATH",
 
 
+report: "workflow/report/workflow.rst"
+
+
 include: "workflow/rules/common.smk"
+include: "workflow/rules/startup.smk"
 include: "workflow/rules/demo_model.smk"
 include: "workflow/rules/questions.smk"
 include: "workflow/rules/generate.smk"

@@ -281,6 +281,25 @@ def test_report_holds_the_plots(demo_run):
         assert expected in html
 
 
+def test_every_heavy_job_leaves_a_benchmark_record(demo_run):
+    """Snakemake's benchmark: wall and CPU seconds and peak memory of each server or trainer job."""
+    records = sorted(
+        str(p.relative_to(demo_run / "results/benchmarks")) for p in demo_run.glob("results/benchmarks/**/*.tsv")
+    )
+    assert records == [
+        "demo_model.tsv",
+        "evaluate.tsv",
+        "extract/shard_0.tsv",
+        "extract/shard_1.tsv",
+        "generate/shard_0.tsv",
+        "generate/shard_1.tsv",
+        "train.tsv",
+        "untrained_drafter.tsv",
+    ]
+    header, values = (demo_run / "results/benchmarks/train.tsv").read_text().splitlines()[:2]
+    assert header.split("\t")[:3] == ["s", "h:m:s", "max_rss"] and float(values.split("\t")[0]) > 0
+
+
 def test_forced_reruns_reuse_finished_work(demo_run):
     """Last (it leaves the evaluation outdated): a forced extraction requests no row again,
     since the published files are links to the staged ones, and training, fed the same

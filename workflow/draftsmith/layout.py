@@ -59,6 +59,10 @@ class Layout:
     def log(self, name: str) -> Path:
         return self.logs / f"{name}.log"
 
+    def benchmark(self, name: str) -> Path:
+        """Snakemake's record of a heavy job: wall and CPU seconds, peak memory."""
+        return self.results / "benchmarks" / f"{name}.tsv"
+
     # questions
     @property
     def questions(self) -> Path:

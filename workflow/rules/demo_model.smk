@@ -5,6 +5,8 @@ if config["target"]["build_demo"]:
             directory(config["target"]["model"]),
         log:
             log_path("demo_model"),
+        benchmark:
+            benchmark_path("demo_model")
         conda:
             CONDA_ENV
         params:

@@ -14,6 +14,8 @@ rule evaluate:
         ),
     log:
         log_path("evaluate"),
+    benchmark:
+        benchmark_path("evaluate")
     conda:
         CONDA_ENV
     resources:

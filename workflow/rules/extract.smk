@@ -6,6 +6,8 @@ rule extract:
         directory(path(LAYOUT.hidden_state_shard("{shard}"))),
     log:
         log_path("extract/shard_{shard}"),
+    benchmark:
+        benchmark_path("extract/shard_{shard}")
     conda:
         CONDA_ENV
     resources:

@@ -6,6 +6,8 @@ rule generate:
         path(LAYOUT.completion_shard("{shard}")),
     log:
         log_path("generate/shard_{shard}"),
+    benchmark:
+        benchmark_path("generate/shard_{shard}")
     conda:
         CONDA_ENV
     resources:

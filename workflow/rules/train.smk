@@ -7,6 +7,8 @@ rule train:
         directory(path(LAYOUT.drafter)),
     log:
         log_path("train"),
+    benchmark:
+        benchmark_path("train")
     conda:
         CONDA_ENV
     resources:
@@ -29,6 +31,8 @@ use rule train as untrained_drafter with:
         directory(path(LAYOUT.untrained_drafter)),
     log:
         log_path("untrained_drafter"),
+    benchmark:
+        benchmark_path("untrained_drafter")
     params:
         tracked=tracked("untrained_drafter"),
         config=RUN_CONFIG,
