@@ -53,7 +53,8 @@ def test_missing_vllm_connector_class_is_named(monkeypatch, target, tmp_path):
 
     monkeypatch.delattr(module, "ExampleHiddenStatesConnector")
     problems = preflight.run_checks(demo_settings(target), tmp_path / "results")
-    assert len(problems) == 1 and "ExampleHiddenStatesConnector" in problems[0]
+    # The class and each of its members the connector overrides or reads, each named.
+    assert len(problems) == 4 and all("ExampleHiddenStatesConnector" in problem for problem in problems)
 
 
 def test_a_missing_patched_vllm_class_is_named(monkeypatch, target, tmp_path):
@@ -258,3 +259,68 @@ def test_a_local_question_path_that_does_not_exist_is_named(source, missing):
         ]
     else:
         assert problems == []
+
+
+def missing_member_problems(monkeypatch, module: str, attribute: str) -> list[str]:
+    """The install checks after `module.attribute` was taken away."""
+    import importlib
+
+    assert preflight.check_required_names() == []  # every module imported before one is broken
+    owner = importlib.import_module(module)
+    *owners, member = attribute.split(".")
+    for part in owners:
+        owner = getattr(owner, part)
+    if member in vars(owner):
+        monkeypatch.delattr(owner, member)
+    else:  # an instance attribute: the class's source no longer sets it
+        source = preflight.class_source
+        monkeypatch.setattr(
+            preflight, "class_source", lambda cls: source(cls).replace(f"self.{member}", "self.renamed")
+        )
+    return preflight.check_required_names()
+
+
+@pytest.mark.parametrize(("module", "attribute"), [name for name in preflight.REQUIRED_NAMES if name[1]])
+def test_every_declared_third_party_name_is_checked(module, attribute, monkeypatch):
+    """Each name a module declares in THIRD_PARTY, patched and overridden members included:
+    an install without it fails the preflight, naming it."""
+    problems = missing_member_problems(monkeypatch, module, attribute)
+    # Taking a class away takes the members declared under it too.
+    assert problems and all(f"{module}.{attribute}" in problem for problem in problems), problems
+
+
+def test_the_modules_that_use_vllm_or_speculators_declare_what_they_use():
+    """A module that imports from vLLM or speculators lists names from that module in THIRD_PARTY."""
+    import ast
+
+    declared_modules = {module for module, _ in preflight.REQUIRED_NAMES}
+    for source in sorted(preflight.PACKAGE.glob("*.py")):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.module.split(".")[0] in ("vllm", "speculators")
+            ):
+                if node.module in ("vllm.logger", "vllm.platforms", "vllm.config"):
+                    continue  # logging and the platform probe: no API of ours depends on them
+                names = {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+                assert names & declared_modules or source.name == "preflight.py", f"{source.name}: {node.module}"
+
+
+def test_the_flags_the_stages_pass_are_the_declared_ones(tmp_path):
+    """The flags the training, dataset and server commands build are the ones the preflight checks."""
+    from draftsmith import dataset, server, train
+    from draftsmith.layers import resolve_layers
+
+    settings = demo_settings(tmp_path)
+    paths = train.TrainPaths(tmp_path / "d", tmp_path / "h", tmp_path / "s", tmp_path / "o")
+    argv = train.speculators_args(settings, resolve_layers(settings["layers"], 6), paths) + train.CPU_TRAINER_FLAGS
+    assert {a for a in argv if a.startswith("--")} <= set(preflight.TRAIN_FLAGS)
+    command = dataset.prepare_data_command(
+        settings | {"target": settings["target"] | {"trust_remote_code": True}}, tmp_path, tmp_path
+    )
+    options = {a.removeprefix("--").removeprefix("no-").replace("-", "_") for a in command if a.startswith("--")}
+    assert options <= set(preflight.PREPARE_DATA_PARAMETERS)
+    spec = server.ServerSpec("m", max_model_len=8, trust_remote_code=True)
+    options = {a.removeprefix("--").replace("-", "_") for a in spec.command(1) if a.startswith("--")}
+    assert options - {"model", "host", "port"} <= set(preflight.ENGINE_ARGS)

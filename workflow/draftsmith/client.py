@@ -12,6 +12,11 @@ from draftsmith.server import Endpoint
 # speculators is imported where it is used: the stages warm that import while their
 # server loads (server.import_in_background).
 SPECULATORS_CLIENT = "speculators.data_generation.vllm_client"
+# Third-party names this module uses; the preflight checks each exists (preflight.declared).
+THIRD_PARTY = [
+    ("speculators.data_generation.vllm_client", "with_retries"),
+    ("speculators.data_generation.vllm_client", "InvalidResponseError"),
+]
 
 Poster = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 RETRYABLE_STATUSES = {408, 429}

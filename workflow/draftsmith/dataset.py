@@ -30,6 +30,18 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.progress import log
 
 SPECULATORS_CLI = [sys.executable, "-m", "speculators"]
+# `speculators prepare-data` options prepare_data_command passes (its typer parameters).
+PREPARE_DATA_PARAMETERS = [
+    "model",
+    "data",
+    "output",
+    "seq_length",
+    "minimum_valid_tokens",
+    "skip_token_freq",
+    "token_freq_path",
+    "overwrite",
+    "trust_remote_code",
+]
 
 
 class DatasetError(DraftsmithError):

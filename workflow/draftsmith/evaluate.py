@@ -40,6 +40,8 @@ from draftsmith.serving import EvaluationAttention, evaluation_attention
 from draftsmith.slot import check_gpu_slot
 
 SPEC_METRIC_PREFIX = "vllm:spec_decode_num_"
+# The speculative method of the evaluation servers (vLLM's SpeculativeMethod).
+SPECULATIVE_METHODS = ["eagle3"]
 
 
 class EvaluationError(DraftsmithError):
@@ -203,7 +205,11 @@ def plot(result: dict, path: Path) -> None:
 
 def speculative_config(drafter: Path, num_speculative_tokens: int) -> dict:
     """The value of vLLM's ``--speculative-config`` that serves ``drafter``."""
-    return {"model": str(drafter.resolve()), "method": "eagle3", "num_speculative_tokens": num_speculative_tokens}
+    return {
+        "model": str(drafter.resolve()),
+        "method": SPECULATIVE_METHODS[0],
+        "num_speculative_tokens": num_speculative_tokens,
+    }
 
 
 def read_heldout(path: Path, limit: int | None) -> list[dict]:

@@ -46,6 +46,15 @@ from draftsmith.shard_gate import BadSample, check_sample, check_shard
 from draftsmith.slot import check_gpu_slot
 from draftsmith.staging import fingerprint_of, matching_siblings, open_staging
 
+# Third-party names this module uses; the preflight checks each exists (preflight.declared).
+THIRD_PARTY = [
+    ("speculators.data_generation.vllm_client", "InvalidResponseError"),
+    ("speculators.data_generation.vllm_client", "generate_hidden_states_async"),
+    ("speculators.data_generation.vllm_client", "wait_for_lock_async"),
+]
+# The speculative method of the extraction server (vLLM's SpeculativeMethod).
+SPECULATIVE_METHODS = ["extract_hidden_states"]
+
 SHOW_FIRST = 5
 VLLM_STORAGE_DIR = "vllm"  # inside staging: same filesystem, so moves are atomic renames
 MAX_BACKOFF_S = 30.0

@@ -44,6 +44,8 @@ from draftsmith.staging import matching_siblings, open_staging
 
 RECORDS = "records.jsonl"
 SPECULATORS_GENERATION = "speculators.cli.regenerate_responses"  # imported while the server loads
+# Third-party names this module uses; the preflight checks each exists (preflight.declared).
+THIRD_PARTY = [("speculators.cli.regenerate_responses", "regenerate_conversation")]
 
 
 class GenerationError(DraftsmithError):

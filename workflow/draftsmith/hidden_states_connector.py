@@ -32,6 +32,25 @@ from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
+# Third-party names this module uses; the preflight checks each exists (preflight.declared).
+# The members it overrides or reads are private: exactly what a vLLM upgrade may rename.
+THIRD_PARTY = [
+    ("vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector", "ExampleHiddenStatesConnector"),
+    ("vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector", "PendingSave"),
+    ("vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector", "extract_from_kv_cache"),
+    (
+        "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
+        "ExampleHiddenStatesConnector._submit_async_write",
+    ),
+    (
+        "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
+        "ExampleHiddenStatesConnector._lock_fds",
+    ),
+    (
+        "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
+        "ExampleHiddenStatesConnector._req_copy_events",
+    ),
+]
 CONNECTOR_NAME = "CpuSafeHiddenStatesConnector"
 CONNECTOR_MODULE = __name__
 

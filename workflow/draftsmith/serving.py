@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from draftsmith.errors import DraftsmithError
 
 MLA_DISABLE_ENV = "VLLM_MLA_DISABLE"
+# Third-party names this module uses; the preflight checks each exists (preflight.declared).
+THIRD_PARTY = [("vllm.v1.attention.backends.registry", "AttentionBackendEnum")]
 # (MLA backend, the drafter's backend) vLLM picks on each device. On CUDA the MLA backend
 # depends on the GPU; FlashMLA (Hopper, the production case) is checked.
 BACKENDS = {"cpu": ("CPU_MLA", "CPU_ATTN"), "cuda": ("FLASHMLA", "FLASH_ATTN")}

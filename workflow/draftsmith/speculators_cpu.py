@@ -31,6 +31,15 @@ from pathlib import Path
 import torch
 
 METRICS_FILE_ENV = "DRAFTSMITH_METRICS_FILE"
+# Third-party names this module uses or replaces; the preflight checks each exists (preflight.declared).
+THIRD_PARTY = [
+    ("speculators.cli", "app"),
+    ("speculators.train.cli", "Trainer"),
+    ("speculators.train.cli", "setup_metric_logger"),
+    ("speculators.train.checkpointer", "get_current_device"),
+    ("speculators.train.trainer", "Trainer.setup_model"),
+    ("torch.optim._muon", "_zeropower_via_newtonschulz"),
+]
 
 
 def apply() -> bool:

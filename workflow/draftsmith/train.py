@@ -57,6 +57,26 @@ DRAFTER_FILES = ("config.json", "model.safetensors")  # what vLLM loads; no opti
 # fp32 compute. speculators autocasts to bf16 by default, and on a CPU without AVX512-BF16
 # or AMX (an AVX2 EPYC here) bf16 matmuls fall back to a naive kernel: a demo step took
 # 19.3 s of CPU in bf16 and 4.1 s in fp32 (torch.profiler, 3 steps).
+# `speculators train` flags this stage passes (speculators_args, CPU_TRAINER_FLAGS).
+TRAIN_FLAGS = [
+    "--verifier-name-or-path",
+    "--target-layer-ids",
+    "--token-freq-path",
+    "--draft-vocab-size",
+    "--epochs",
+    "--lr",
+    "--total-seq-len",
+    "--seed",
+    "--save-path",
+    "--data-path",
+    "--hidden-states-path",
+    "--on-missing",
+    "--num-workers",
+    "--draft-attn-impl",
+    "--loss-implementation",
+    "--num-layers",
+    "--hidden-states-dtype",
+]
 CPU_TRAINER_FLAGS = ["--num-workers", "0", "--draft-attn-impl", "sdpa", "--hidden-states-dtype", "float32"]
 SHOW_MISSING = 5
 

@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 # How vLLM finds this plugin (pyproject.toml's entry point); the preflight checks it.
 PLUGIN_GROUP, PLUGIN_NAME = "vllm.general_plugins", "draftsmith_cpu_rope"
 PLUGIN_VALUE = f"{__name__}:register"
-# (module, attribute) this plugin replaces or calls; the preflight checks they exist.
-REQUIRED_NAMES = [
+# Third-party names this module uses; the preflight checks each exists (preflight.declared).
+THIRD_PARTY = [
     ("vllm.model_executor.layers.rotary_embedding.base", "RotaryEmbedding"),
     ("vllm._custom_ops", "rotary_embedding"),
 ]
