@@ -61,18 +61,15 @@ def demo_target(tmp_path_factory) -> Path:
 def tiny_tokenizer(tmp_path_factory) -> Path:
     """A model directory with a tokenizer and a config but no weights: enough for every
     consumer of the tokenizer (prepare-data, the context checks) in a second."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, PreTrainedTokenizerFast
+    from transformers import LlamaConfig
+
+    from draftsmith.demo_model import build_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-tokenizer")
-    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(61)]
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<unk>"
-    ).save_pretrained(path)
+    tokenizer = build_tokenizer()  # the demo's, without its model
+    tokenizer.save_pretrained(path)
     LlamaConfig(
-        vocab_size=len(words),
+        vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,

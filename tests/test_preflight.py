@@ -135,6 +135,21 @@ def test_unwritable_results_directory_is_named(target):
     assert any(p.startswith("cannot write to /proc (") and "set results_dir" in p for p in problems), problems
 
 
+def preflight_command(target: Path, work: Path) -> list[str]:
+    settings = json.dumps(demo_settings(target))
+    return [
+        sys.executable,
+        "-m",
+        "draftsmith.preflight",
+        "--settings",
+        settings,
+        "--results",
+        str(work / "results"),
+        "--output",
+        str(work / "ok.json"),
+    ]
+
+
 def test_broken_environment_fails_the_cli_before_any_work(target, tmp_path):
     """A real process with a speculators that lacks a function: exit 2, the name, in seconds.
     (About 7 s on an idle 2-core machine; the bound is generous because a test on a busy
@@ -144,17 +159,7 @@ def test_broken_environment_fails_the_cli_before_any_work(target, tmp_path):
     (shim / "sitecustomize.py").write_text(
         "import speculators.data_generation.vllm_client as m\ndel m.wait_for_lock_async\n"
     )
-    command = [
-        sys.executable,
-        "-m",
-        "draftsmith.preflight",
-        "--settings",
-        json.dumps(demo_settings(target)),
-        "--results",
-        str(tmp_path / "results"),
-        "--output",
-        str(tmp_path / "ok.json"),
-    ]
+    command = preflight_command(target, tmp_path)
     started = time.monotonic()
     run = subprocess.run(command, capture_output=True, text=True, env={**preflight.os.environ, "PYTHONPATH": str(shim)})
     elapsed = time.monotonic() - started
@@ -168,19 +173,7 @@ def test_install_stamp_skips_the_install_checks_only_on_the_same_install(target,
     """A passed run records the install; the next skips those checks; a changed environment
     (here a PYTHONPATH shim that removes a function) is checked again and fails."""
     cache = tmp_path / "install_checks"
-    command = [
-        sys.executable,
-        "-m",
-        "draftsmith.preflight",
-        "--settings",
-        json.dumps(demo_settings(target)),
-        "--results",
-        str(tmp_path / "results"),
-        "--output",
-        str(tmp_path / "ok.json"),
-        "--install-cache",
-        str(cache),
-    ]
+    command = [*preflight_command(target, tmp_path), "--install-cache", str(cache)]
     first = subprocess.run(command, capture_output=True, text=True)
     assert first.returncode == 0, first.stderr
     markers = sorted(cache.iterdir())
