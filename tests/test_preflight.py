@@ -150,6 +150,7 @@ def preflight_command(target: Path, work: Path) -> list[str]:
     ]
 
 
+@pytest.mark.slow  # fresh interpreters that import vLLM and speculators: 20-30 s each
 def test_broken_environment_fails_the_cli_before_any_work(target, tmp_path):
     """A real process with a speculators that lacks a function: exit 2, the name, in seconds.
     (About 7 s on an idle 2-core machine; the bound is generous because a test on a busy
@@ -169,6 +170,7 @@ def test_broken_environment_fails_the_cli_before_any_work(target, tmp_path):
     assert elapsed < 60, f"preflight took {elapsed:.1f}s"
 
 
+@pytest.mark.slow  # fresh interpreters that import vLLM and speculators: 20-30 s each
 def test_install_stamp_skips_the_install_checks_only_on_the_same_install(target, tmp_path):
     """A passed run records the install; the next skips those checks; a changed environment
     (here a PYTHONPATH shim that removes a function) is checked again and fails."""

@@ -337,6 +337,7 @@ def run_stage_with_trainer(trainer_code: str, tmp_path: Path, stall_timeout_s: f
 OOM_LINE = "print('torch.OutOfMemoryError: CUDA out of memory', file=sys.stderr, flush=True)"
 
 
+@pytest.mark.slow  # waits out a stall timeout
 def test_a_trainer_that_hangs_after_crashing_is_stopped_and_named(tmp_path):
     """A worker that prints its traceback and then hangs, holding the GPU. A real trainer
     cannot be made to hang on demand, so a stand-in prints and sleeps."""
