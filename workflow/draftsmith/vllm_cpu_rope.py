@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 log = logging.getLogger(__name__)
 
 # How vLLM finds this plugin (pyproject.toml's entry point); the preflight checks it.
@@ -53,6 +51,7 @@ def register() -> None:
 
 def cpu_kernel_mishandles_heads() -> bool:
     """Rotate two tokens of two heads in both layouts; a correct kernel agrees with itself."""
+    import torch  # here, not at the top: the preflight reads this module's constants only
     import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
 
     head_dim, tokens, heads = 4, 2, 2
