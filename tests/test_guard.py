@@ -56,3 +56,21 @@ def test_servers_and_trainers_get_no_thread_caps_from_snakemake(monkeypatch):
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["PATH"] == os.environ["PATH"]
     # A cap the config asks for (server.env) still applies.
     assert guard.uncapped_environment(OMP_NUM_THREADS="4")["OMP_NUM_THREADS"] == "4"
+
+
+def test_the_suite_counts_only_processes_of_its_own_session():
+    """heavy_processes() lists what this session started, not a second suite's servers."""
+    from conftest import SESSION_MARK, heavy_processes
+
+    script = "import time; time.sleep(30)  # draftsmith.guard"
+    ours = subprocess.Popen([sys.executable, "-c", script])
+    other_env = {**os.environ, SESSION_MARK.split("=")[0]: "another-suite"}
+    other = subprocess.Popen([sys.executable, "-c", script], env=other_env)
+    try:
+        time.sleep(0.5)
+        listed = " ".join(heavy_processes())
+        assert f"{ours.pid}:" in listed and f"{other.pid}:" not in listed
+    finally:
+        for process in (ours, other):
+            process.kill()
+            process.wait()

@@ -266,6 +266,18 @@ def test_cpu_adaptations_leave_an_accelerator_machine_alone(monkeypatch):
     assert cli.Trainer is trainer_class and _muon._zeropower_via_newtonschulz is orthogonalize
 
 
+def test_on_cpu_the_trainer_orthogonalizes_in_fp32(monkeypatch):
+    from speculators.train import checkpointer, cli
+    from torch.optim import _muon
+
+    for owner, name in ((cli, "Trainer"), (checkpointer, "get_current_device"), (_muon, "_zeropower_via_newtonschulz")):
+        monkeypatch.setattr(owner, name, getattr(owner, name))  # restored after the test
+    monkeypatch.setattr(torch.accelerator, "synchronize", torch.accelerator.synchronize)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    assert speculators_cpu.apply() is True
+    assert _muon._zeropower_via_newtonschulz is speculators_cpu.newton_schulz_fp32
+
+
 @pytest.mark.parametrize("shape", [(96, 32), (32, 96)])
 def test_cpu_muon_orthogonalizes_like_torch_in_fp32(shape):
     """The fp32 Newton-Schulz the CPU trainer uses is torch's iteration: it agrees with
