@@ -53,7 +53,9 @@ def small_workflow(workdir: Path, questions: int) -> Path:
     # Small and quick: the tests are about resuming, not about the drafter's quality.
     config["questions"].update(limit=questions, heldout=20)
     config["training"]["epochs"] = 6
-    config["evaluation"]["compare_untrained"] = False
+    config["evaluation"].update(
+        compare_untrained=False, num_speculative_tokens=3, concurrency=8, sampled=False, sets={}
+    )
     config["target"]["demo_train_steps"] = 150
     (workdir / "config/config.yaml").write_text(yaml.safe_dump(config))
     return workdir
@@ -106,7 +108,7 @@ def test_kill_anywhere_then_rerun_completes_without_redoing_work(workdir, tmp_pa
     rerun_after_kill(workdir)
     epochs_before = count("results/.staging/train/checkpoints/[0-9]*", workdir)
 
-    run_until(workdir, lambda: log_says(workdir, "evaluate.log", "server ready"))  # during evaluation
+    run_until(workdir, lambda: log_says(workdir, "evaluate/drafter_k3.log", "server ready"))  # during evaluation
     rerun_after_kill(workdir)
 
     final = subprocess.run(RUN, cwd=workdir, capture_output=True, text=True, timeout=1800)

@@ -52,7 +52,7 @@ def test_the_trained_drafter_reaches_the_acceptance_goal(deepseek_run):
     # On a CPU the evaluation serves this MLA target with MLA disabled, and says why.
     assert result["mla_disabled"] is True
     assert "CPU_MLA" in result["mla_disabled_because"]
-    assert "VLLM_MLA_DISABLE=1" in (deepseek_run / "logs/evaluate.log").read_text()
+    assert "VLLM_MLA_DISABLE=1" in (deepseek_run / "logs/evaluate/drafter_k3.log").read_text()
 
 
 def test_answers_keep_their_think_tags_and_only_the_answer_is_trained(deepseek_run):

@@ -75,7 +75,7 @@ def test_trust_remote_code_reaches_every_consumer(kimi, tmp_path, monkeypatch):
     paths = train.TrainPaths(tmp_path / "d", tmp_path / "h", tmp_path / "s", tmp_path / "o")
     for stage in ("train", "untrained_drafter"):
         assert "--trust-remote-code" in train.speculators_args(stage_view(kimi, stage), layers, paths)
-    for stage in ("generate", "extract", "evaluate"):
+    for stage in ("generate", "extract", "evaluate_baseline", "evaluate_drafter"):
         assert "--trust-remote-code" in ServerSpec.from_config(stage_view(kimi, stage)).command(8000)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 from snakemake.utils import validate
 
-from draftsmith.plan import plan_for
+from draftsmith.plan import format_plan, plan_for
 
 ROOT = Path(__file__).resolve().parents[1]
 KIMI_TEXT_CONFIG = {"num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 163840, "num_attention_heads": 64}
@@ -32,7 +32,9 @@ def test_kimi_plan_bytes_are_tokens_times_layers_times_hidden_times_two(tmp_path
     assert plan["stored_layers"] == 4 and plan["hidden_size"] == 7168
     assert plan["hidden_state_bytes"] == plan["training_tokens"] * 4 * 7168 * 2
     assert plan["training_tokens"] <= plan["questions_train"] * 8192
-    assert plan["model_loads"] == {"generation": 1, "extraction": 1, "evaluation": 2}
+    # The evaluation sweeps 4 draft lengths: the target alone once, then once per length.
+    assert plan["model_loads"] == {"generation": 1, "extraction": 1, "evaluation": 5}
+    assert "5 (evaluation: target alone + 4 draft length(s))" in format_plan(plan)
     assert plan["gpus_per_server"] == 8
 
 
@@ -79,6 +81,9 @@ def test_snakemake_plans_every_stage_of_the_production_config_without_gpus(tmp_p
         text=True,
     )
     assert run.returncode == 0, run.stderr[-2000:]
-    for rule in ("questions", "generate", "dataset", "extract", "training_view", "train", "evaluate"):
+    for rule in ("questions", "generate", "dataset", "extract", "training_view", "train", "evaluate_baseline"):
         assert f"rule {rule}:" in run.stdout
+    # One drafter job per draft length of the sweep, and the public prompt sets.
+    assert run.stdout.count("rule evaluate_drafter:") == 4
+    assert "rule evaluate:" in run.stdout and "rule evaluation_sets:" in run.stdout
     assert "demo_model" not in run.stdout

@@ -66,12 +66,19 @@ def test_a_missing_patched_vllm_class_is_named(monkeypatch, target, tmp_path):
     assert len(problems) == 1 and "base.RotaryEmbedding (AttributeError)" in problems[0]
 
 
-@pytest.mark.parametrize("plugins", ["lora_filesystem_resolver", ""])
-def test_vllm_plugins_that_leave_out_the_rope_fix_are_named(plugins, monkeypatch, target, tmp_path):
+@pytest.mark.parametrize(
+    "plugins, left_out",
+    [
+        ("lora_filesystem_resolver", ["draftsmith_cpu_rope", "draftsmith_cpu_sampling"]),
+        ("", ["draftsmith_cpu_rope", "draftsmith_cpu_sampling"]),
+        ("draftsmith_cpu_rope", ["draftsmith_cpu_sampling"]),
+    ],
+)
+def test_vllm_plugins_that_leave_out_a_cpu_fix_are_named(plugins, left_out, monkeypatch, target, tmp_path):
     monkeypatch.setenv("VLLM_PLUGINS", plugins)
     problems = preflight.run_checks(demo_settings(target), tmp_path / "results")
     assert problems == [
-        f"VLLM_PLUGINS={plugins} leaves out draftsmith_cpu_rope; add it to the list or unset VLLM_PLUGINS"
+        f"VLLM_PLUGINS={plugins} leaves out {name}; add it to the list or unset VLLM_PLUGINS" for name in left_out
     ]
 
 
@@ -246,11 +253,12 @@ def test_gpu_slot_smaller_than_tp_times_dp_is_named(visible, slot, message, monk
 def test_a_local_question_path_that_does_not_exist_is_named(source, missing):
     """A path is never taken for a hub id: after a finished run, Snakemake would otherwise
     answer a mistyped path with "Nothing to be done"."""
-    settings = {"questions": {"source": source}}
+    settings = {"questions": {"source": source}, "evaluation": {"sets": {"code": {"source": source}}}}
     problems = preflight.check_local_inputs(settings)
     if missing:
         assert problems == [
-            f"questions.source {source} does not exist (a local path, not a hub id); fix the path in the config"
+            f"{key} {source} does not exist (a local path, not a hub id); fix the path in the config"
+            for key in ("questions.source", "evaluation.sets.code.source")
         ]
     else:
         assert problems == []

@@ -112,8 +112,9 @@ def test_operational_keys_are_in_no_rules_params():
     for rule in RULE_ORDER:
         tracked = tracked_settings(config, rule)
         assert "server.startup_timeout_s" not in tracked
-        assert not any(key.startswith("evaluation.") for key in tracked) or rule == "evaluate"
-    assert "evaluation.concurrency" in tracked_settings(config, "evaluate")
+        assert not any(key.startswith("evaluation.") for key in tracked) or rule.startswith("evaluat")
+        assert "evaluation.request_timeout_s" not in tracked and "evaluation.max_retries" not in tracked
+    assert "evaluation.concurrency" in tracked_settings(config, "evaluate_baseline")
     assert tracked_settings(config, "plan_snapshot") == {}
 
 
@@ -132,7 +133,7 @@ def test_server_options_are_split_by_whether_they_change_numerics():
     assert generate["server.extra_args[numerics]"] == [["--dtype", "bfloat16"], ["--kv-cache-dtype", "fp8"]]
     assert generate["server.env[numerics]"] == {"VLLM_ATTENTION_BACKEND": "X"}
     assert "server.extra_args[other]" not in generate
-    evaluate = tracked_settings(config, "evaluate")
+    evaluate = tracked_settings(config, "evaluate_drafter")
     assert evaluate["server.extra_args[other]"] == [["--gpu-memory-utilization=0.5"], ["--enforce-eager"]]
     assert evaluate["server.env[other]"] == {"NCCL_DEBUG": "INFO", "VLLM_CPU_KVCACHE_SPACE": 1}
 
@@ -154,11 +155,12 @@ def test_the_trainer_process_count_is_tracked_not_the_slot_itself():
 
 
 def test_a_stage_sees_only_what_its_rule_declares():
-    view = stage_view(demo_config(), "evaluate")
-    assert view["evaluation"]["concurrency"] == 8
+    view = stage_view(demo_config(), "evaluate_baseline")
+    assert view["evaluation"]["concurrency"] == [8, 1]
     assert view["server"]["extra_args"]  # a derived setting brings its key
+    assert list(view["generation"]) == ["sampling"]  # through evaluation.samplings
     with pytest.raises(KeyError):
-        view["generation"]
+        view["generation"]["max_tokens"]
     with pytest.raises(KeyError):
         view["training"]
     assert stage_view({"target": {"model": "m"}}, "generate") == {"target": {"model": "m"}}

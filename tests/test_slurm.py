@@ -24,9 +24,18 @@ from conftest import copy_workflow
 ROOT = Path(__file__).resolve().parents[1]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 PROFILE = ["--workflow-profile", "slurm-cpu"]
-SHARDED = {"generate": 2, "extract": 2}  # the demo config's shard counts
-ONE_JOB = {"demo_model", "dataset", "train", "untrained_drafter", "evaluate"}
-LOCAL = {"questions", "training_view", "plan_snapshot", "completion_lengths", "training_curves", "run_metadata"}
+SHARDED = {"generate": 2, "extract": 2, "evaluate_drafter": 3}  # the demo config's shards and draft lengths
+ONE_JOB = {"demo_model", "dataset", "train", "untrained_drafter", "evaluate_baseline", "evaluate_untrained"}
+LOCAL = {
+    "questions",
+    "training_view",
+    "evaluation_sets",
+    "evaluate",
+    "plan_snapshot",
+    "completion_lengths",
+    "training_curves",
+    "run_metadata",
+}
 SUBMITTED = re.compile(r"Job \d+ has been submitted with SLURM jobid (\d+) \(log: (\S+)\)")
 
 

@@ -21,7 +21,17 @@ import yaml
 from conftest import copy_workflow, heavy_processes
 from snakemake.utils import validate
 
-from draftsmith.settings import RULE_ORDER, WHERE, downstream, reruns, tracked_settings
+from draftsmith.settings import (
+    RULE_ORDER,
+    SWEPT,
+    WHERE,
+    downstream,
+    draft_lengths,
+    lookup,
+    reruns,
+    swept,
+    tracked_settings,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
@@ -71,6 +81,45 @@ def test_demo_reaches_the_acceptance_goal_and_beats_an_untrained_drafter(demo_ru
     assert result["acceptance_length"] >= 2.5, result
     assert result["acceptance_length"] > result["untrained_acceptance_length"] + 1.0, result
     assert (demo_run / "results/eval/acceptance.png").stat().st_size > 10_000
+
+
+def test_the_sweep_measures_every_set_category_draft_length_concurrency_and_sampling(demo_run):
+    result = json.loads((demo_run / "results/eval/acceptance.json").read_text())
+    rows = result["results"]
+    print(json.dumps(result["recommendation"], indent=1))
+    assert {(r["set"], r["category"]) for r in rows} >= {
+        ("heldout", "*"),
+        ("counting", "*"),
+        ("counting", "count_up"),
+        ("counting", "count_down"),
+        ("counting", "count_by"),
+        ("words", "spell"),
+        ("words", "repeat"),
+    }
+    assert {(r["num_speculative_tokens"], r["concurrency"], r["temperature"]) for r in rows} == {
+        (k, c, t) for k in (1, 2, 3) for c in (8, 1) for t in (0.0, 0.7)
+    }
+    assert all(len(r["acceptance_per_position"]) == r["num_speculative_tokens"] for r in rows)
+    # The table's choice at the first concurrency, greedy, is the serving config.
+    assert {(r["concurrency"], r["temperature"]) for r in result["recommendation"]} == {
+        (8, 0.0),
+        (1, 0.0),
+        (8, 0.7),
+        (1, 0.7),
+    }
+    chosen = next(r for r in result["recommendation"] if (r["concurrency"], r["temperature"]) == (8, 0.0))
+    served = json.loads((demo_run / "results/drafter_speculative_config.json").read_text())
+    assert served == chosen["speculative_config"]
+    # Sampled at the generation's temperature the drafter still drafts well: vLLM's CPU build
+    # without draftsmith's sampling plugin accepts almost nothing there (1.0).
+    sampled = next(
+        r
+        for r in rows
+        if (r["set"], r["category"], r["num_speculative_tokens"], r["concurrency"], r["temperature"])
+        == ("heldout", "*", 3, 8, 0.7)
+    )
+    assert sampled["acceptance_length"] >= 2.0, sampled
+    assert (demo_run / "results/eval/speedup.png").stat().st_size > 10_000
 
 
 def test_drafter_carries_the_extracted_layers(demo_run):
@@ -176,11 +225,16 @@ MATRIX = [
     ("training.seed", 1),
     ("training.stall_timeout_s", 100),
     ("training.extra_args", ["--log-freq", "5"]),
-    ("evaluation.num_speculative_tokens", 2),
+    ("evaluation.num_speculative_tokens", [3, 1, 2, 4]),  # one more draft length
+    ("evaluation.num_speculative_tokens", [2, 1, 3]),  # another default: the untrained job's length
     ("evaluation.max_tokens", 32),
-    ("evaluation.concurrency", 4),
+    ("evaluation.concurrency", [8, 1, 4]),
+    ("evaluation.sampled", False),
     ("evaluation.compare_untrained", False),
     ("evaluation.limit", 10),
+    ("evaluation.sets", {"counting": {"source": "config/demo_sets/counting.jsonl", "category_field": "task"}}),
+    ("evaluation.request_timeout_s", 100),
+    ("evaluation.max_retries", 1),
 ]
 
 
@@ -211,6 +265,12 @@ def expected_reruns(base: dict, changed: dict, key: str) -> set[str]:
         found.discard("demo_model")
     if not changed["evaluation"]["compare_untrained"]:
         found.discard("untrained_drafter")
+    # A swept setting's new values are jobs of their own (the untrained drafter's too, when
+    # the default draft length changes).
+    if key in SWEPT and set(swept(lookup(changed, key))) - set(swept(lookup(base, key))):
+        found.add(SWEPT[key])
+    if key in SWEPT and draft_lengths(changed)[0] != draft_lengths(base)[0]:
+        found.add("evaluate_untrained")
     return found
 
 
@@ -230,8 +290,15 @@ def test_each_key_changed_alone_plans_exactly_what_the_table_says(demo_run):
         if set(planned[case]) != expected:
             wrong[case] = {"planned": sorted(planned[case]), "table": sorted(expected)}
     assert wrong == {}, json.dumps(wrong, indent=1)
-    # The two scenarios that wasted whole stages before, spelled out.
-    assert set(planned["evaluation.concurrency=4"]) == {"evaluate", "plan_snapshot", "run_metadata"}
+    # The scenarios that wasted whole stages before, spelled out. A new draft length is one
+    # job (and the summary), the other lengths and the baseline stay.
+    assert planned["evaluation.num_speculative_tokens=[3, 1, 2, 4]"] == {
+        "evaluate_drafter": 1,
+        "evaluate": 1,
+        "plan_snapshot": 1,
+        "run_metadata": 1,
+    }
+    assert planned["evaluation.request_timeout_s=100"] == {}
     assert planned["server.startup_timeout_s=900"] == {}
     assert planned["questions.shards=3"]["generate"] == 3
 
@@ -277,7 +344,7 @@ def test_report_holds_the_plots(demo_run):
     assert run.returncode == 0, run.stderr[-3000:]
     html = report.read_text(errors="replace")
     assert report.stat().st_size > 50_000
-    for expected in ("acceptance.png", "plan.txt"):
+    for expected in ("acceptance.png", "speedup.png", "tables.html", "Recommended draft length", "plan.txt"):
         assert expected in html
 
 
@@ -288,7 +355,11 @@ def test_every_heavy_job_leaves_a_benchmark_record(demo_run):
     )
     assert records == [
         "demo_model.tsv",
-        "evaluate.tsv",
+        "evaluate/baseline.tsv",
+        "evaluate/drafter_k1.tsv",
+        "evaluate/drafter_k2.tsv",
+        "evaluate/drafter_k3.tsv",
+        "evaluate/untrained_k3.tsv",
         "extract/shard_0.tsv",
         "extract/shard_1.tsv",
         "generate/shard_0.tsv",

@@ -1,18 +1,21 @@
-"""Evaluation stage: serve target + drafter in vLLM and measure what speculation buys.
+"""Evaluation measurement: one server load, every prompt set, concurrency and temperature.
 
-The held-out questions run at temperature 0 twice: once on the target alone and once
-with the drafter (``--speculative-config``), each on a fresh server so vLLM's
-counters start at zero. Acceptance comes from vLLM's own spec-decode metrics:
+A job serves the target alone (the baseline) or the target with a drafter at one draft
+length ``k`` (``--speculative-config``), so adding a draft length to the sweep adds one
+job and re-runs nothing else. The job sends each prompt set (``evaluation_sets``) at each
+concurrency of ``evaluation.concurrency`` and each sampling of ``evaluation.samplings``
+(temperature 0, and the generation's sampling when ``evaluation.sampled``), one phase at
+a time, and records per phase and per category:
 
-    acceptance length = 1 + accepted tokens / drafts
-    acceptance at position k = accepted at k / drafts
+- tokens and wall time (throughput), and each request's own latency;
+- vLLM's per-request acceptance histogram (``--per-request-spec-decode-metrics``):
+  the count of verify steps that accepted exactly ``j`` draft tokens.
 
-Optionally a drafter of the same shape with untrained weights is measured too: the
-demo's proof that tokens, masks and vocabulary mapping line up is that training
-clearly beats it.
+    acceptance length = 1 + accepted tokens / verify steps
+    acceptance at position p = steps that accepted more than p tokens / steps
 
-The stage also writes the drafter's ``--speculative-config`` JSON for serving: its
-``num_speculative_tokens`` is an evaluation setting, so training never depends on it.
+The job's totals are checked against the server's own Prometheus counters. The
+``evaluation_summary`` stage turns the records of all jobs into the report.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import dataclasses
 import json
 import time
 import urllib.request
+from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,15 +37,20 @@ from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.client import SPECULATORS_CLIENT, chat_poster, open_session
 from draftsmith.errors import DraftsmithError
+from draftsmith.evaluation_sets import read_prompts
 from draftsmith.plan import read_target_config
 from draftsmith.progress import Progress, log
 from draftsmith.server import Endpoint, ServerSpec, import_in_background, managed_server
 from draftsmith.serving import EvaluationAttention, evaluation_attention
+from draftsmith.settings import draft_lengths, lookup
 from draftsmith.slot import check_gpu_slot
 
 SPEC_METRIC_PREFIX = "vllm:spec_decode_num_"
 # The speculative method of the evaluation servers (vLLM's SpeculativeMethod).
 SPECULATIVE_METHODS = ["eagle3"]
+# The engine option that puts each request's acceptance in its response (experimental in
+# vLLM 0.32: the preflight checks it is there).
+ENGINE_ARGS = ["per_request_spec_decode_metrics"]
 
 
 class EvaluationError(DraftsmithError):
@@ -49,26 +58,39 @@ class EvaluationError(DraftsmithError):
 
 
 @dataclass
-class Measurement:
-    requests: int
-    completion_tokens: int
-    seconds: float
-    drafts: int = 0
+class Tally:
+    """What some requests produced: tokens, their own latencies, and (with a drafter) the
+    summed acceptance histogram, ``histogram[j]`` = verify steps that accepted ``j`` tokens."""
+
+    requests: int = 0
+    completion_tokens: int = 0
+    request_seconds: float = 0.0
+    histogram: list[int] = field(default_factory=list)
     draft_tokens: int = 0
-    accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
 
-    @property
-    def tokens_per_s(self) -> float:
-        return self.completion_tokens / self.seconds if self.seconds else 0.0
+    def add(self, response: dict, seconds: float) -> None:
+        self.requests += 1
+        self.completion_tokens += response["usage"]["completion_tokens"]
+        self.request_seconds += seconds
+        spec = (response.get("metrics") or {}).get("speculative_decoding")
+        if spec:
+            self.histogram = summed(self.histogram, spec["acceptance_histogram"])
+            self.draft_tokens += spec["num_draft_tokens"]
 
-    @property
-    def acceptance_length(self) -> float:
-        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 1.0
 
-    @property
-    def acceptance_per_position(self) -> list[float]:
-        return [n / self.drafts if self.drafts else 0.0 for n in self.accepted_per_position]
+def summed(a: list[int], b: list[int]) -> list[int]:
+    return [(a[j] if j < len(a) else 0) + (b[j] if j < len(b) else 0) for j in range(max(len(a), len(b)))]
+
+
+@dataclass
+class Phase:
+    """One prompt set sent at one concurrency and one sampling."""
+
+    set: str
+    concurrency: int
+    sampling: dict
+    seconds: float = 0.0
+    categories: dict[str, Tally] = field(default_factory=lambda: defaultdict(Tally))
 
 
 def spec_decode_counters(metrics_text: str) -> dict[str, Any]:
@@ -95,112 +117,129 @@ def read_metrics(endpoint: Endpoint) -> str:
         return response.read().decode()
 
 
-async def answer_all(endpoint: Endpoint, questions: list[dict], evaluation: dict, label: str) -> tuple[int, float]:
-    """Completion tokens generated for all questions at temperature 0, and the wall time."""
-    progress = Progress(f"evaluation ({label})", len(questions))
-    semaphore = asyncio.Semaphore(evaluation["concurrency"])
-    completion_tokens = 0
+async def run_phase(endpoint: Endpoint, prompts: list[dict], phase: Phase, evaluation: dict, label: str) -> None:
+    """Send the phase's prompts, ``phase.concurrency`` at a time, and tally the answers."""
+    progress = Progress(f"{label}, set {phase.set}, concurrency {phase.concurrency}", len(prompts))
+    semaphore = asyncio.Semaphore(phase.concurrency)
+    async with open_session(endpoint, phase.concurrency, evaluation["request_timeout_s"]) as session:
+        post = chat_poster(session, endpoint, max_retries=evaluation["max_retries"])
 
-    async with open_session(endpoint, evaluation["concurrency"], 3600) as session:
-        post = chat_poster(session, endpoint, max_retries=2)
-
-        async def answer(question: dict) -> None:
-            nonlocal completion_tokens
+        async def answer(prompt: dict) -> None:
             payload = {
                 "model": endpoint.model,
-                "messages": question["messages"],
+                "messages": prompt["messages"],
                 "max_tokens": evaluation["max_tokens"],
-                "temperature": 0.0,
+                **phase.sampling,
             }
             async with semaphore:
+                started = time.monotonic()
                 response = await post(payload)
-            completion_tokens += response["usage"]["completion_tokens"]
+                phase.categories[prompt["category"]].add(response, time.monotonic() - started)
             progress.advance()
 
         started = time.monotonic()
-        await asyncio.gather(*(answer(q) for q in questions))
-    return completion_tokens, time.monotonic() - started
+        await asyncio.gather(*(answer(prompt) for prompt in prompts))
+        phase.seconds = time.monotonic() - started
+
+
+def sampling_label(sampling: dict) -> str:
+    return "greedy" if not sampling.get("temperature") else f"temperature {sampling['temperature']}"
 
 
 def measure(
-    settings: dict, questions: list[dict], speculative_config: dict | None, label: str, attention: EvaluationAttention
-) -> Measurement:
-    extra = ["--speculative-config", json.dumps(speculative_config)] if speculative_config else []
+    settings: dict, prompts: list[dict], drafter: Path | None, k: int | None, attention: EvaluationAttention
+) -> dict:
+    """Every phase on one server: the target alone, or with ``drafter`` at draft length ``k``."""
+    evaluation = settings["evaluation"]
+    extra = []
+    if drafter is not None:
+        extra = ["--speculative-config", json.dumps(speculative_config(drafter, k))]
+        extra += ["--per-request-spec-decode-metrics", "summary"]
     spec = ServerSpec.from_config(settings, extra_args=extra)
     spec = dataclasses.replace(spec, env={**spec.env, **attention.server_env()})
+    label = "target alone" if drafter is None else f"{drafter.name}, k={k}"
+    by_set: dict[str, list[dict]] = defaultdict(list)
+    for prompt in prompts:
+        by_set[prompt["set"]].append(prompt)
+    phases = [
+        Phase(name, concurrency, sampling)
+        for sampling in lookup(settings, "evaluation.samplings")
+        for concurrency in evaluation["concurrency"]
+        for name in by_set
+    ]
     import_in_background(SPECULATORS_CLIENT)
     with managed_server(spec) as endpoint:
-        tokens, seconds = asyncio.run(answer_all(endpoint, questions, settings["evaluation"], label))
+
+        async def run_all() -> None:
+            for phase in phases:
+                await run_phase(
+                    endpoint, by_set[phase.set], phase, evaluation, f"{label}, {sampling_label(phase.sampling)}"
+                )
+
+        asyncio.run(run_all())
         counters = spec_decode_counters(read_metrics(endpoint))
-    positions = counters["per_position"]
-    measurement = Measurement(
-        requests=len(questions),
-        completion_tokens=tokens,
-        seconds=seconds,
-        drafts=counters["drafts"],
-        draft_tokens=counters["draft_tokens"],
-        accepted_tokens=counters["accepted_tokens"],
-        accepted_per_position=[positions.get(k, 0) for k in range(len(positions))],
-    )
-    if speculative_config and not measurement.drafts:
-        raise EvaluationError(
-            f"vLLM reported no drafts while serving {speculative_config['model']}; the drafter was "
-            "not used: check the server log above for a speculative-config error"
+    if drafter is not None:
+        check_against_server(phases, counters, drafter)
+    for phase in phases:
+        tokens = sum(t.completion_tokens for t in phase.categories.values())
+        log(
+            f"{label}, {sampling_label(phase.sampling)}, concurrency {phase.concurrency}, set {phase.set}: "
+            f"{tokens} tokens in {phase.seconds:.1f}s ({tokens / phase.seconds if phase.seconds else 0:.1f} tok/s)"
+            + (f", acceptance length {acceptance_length(merged(phase.categories.values())):.2f}" if drafter else "")
         )
-    log(
-        f"{label}: {tokens} tokens in {seconds:.1f}s ({measurement.tokens_per_s:.1f} tok/s), "
-        f"acceptance length {measurement.acceptance_length:.2f}"
-    )
-    return measurement
-
-
-def summarize(with_drafter: Measurement, without: Measurement, untrained: Measurement | None, k: int) -> dict:
-    result = {
-        "acceptance_length": round(with_drafter.acceptance_length, 4),
-        "max_acceptance_length": k + 1,
-        "acceptance_per_position": [round(x, 4) for x in with_drafter.acceptance_per_position],
-        "tokens_per_s_with_drafter": round(with_drafter.tokens_per_s, 2),
-        "tokens_per_s_without_drafter": round(without.tokens_per_s, 2),
-        "speedup": round(with_drafter.tokens_per_s / without.tokens_per_s, 3) if without.tokens_per_s else None,
+    return {
+        "drafter": str(drafter) if drafter else None,
         "num_speculative_tokens": k,
-        "with_drafter": asdict(with_drafter),
-        "without_drafter": asdict(without),
+        "phases": [
+            {
+                "set": phase.set,
+                "concurrency": phase.concurrency,
+                "sampling": phase.sampling,
+                "seconds": phase.seconds,
+                "categories": {name: asdict(t) for name, t in sorted(phase.categories.items())},
+            }
+            for phase in phases
+        ],
+        "server_counters": {key: value for key, value in counters.items() if key != "per_position"},
+        "mla_disabled": attention.mla_disabled,
+        **({"mla_disabled_because": attention.reason} if attention.mla_disabled else {}),
     }
-    if untrained is not None:
-        result["untrained_acceptance_length"] = round(untrained.acceptance_length, 4)
-        result["untrained_acceptance_per_position"] = [round(x, 4) for x in untrained.acceptance_per_position]
-    return result
 
 
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
+def merged(tallies) -> Tally:
+    total = Tally()
+    for tally in tallies:
+        total.requests += tally.requests
+        total.completion_tokens += tally.completion_tokens
+        total.request_seconds += tally.request_seconds
+        total.draft_tokens += tally.draft_tokens
+        total.histogram = summed(total.histogram, tally.histogram)
+    return total
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    positions = range(1, len(result["acceptance_per_position"]) + 1)
-    left.bar([p - 0.2 for p in positions], result["acceptance_per_position"], width=0.4, label="trained drafter")
-    if "untrained_acceptance_per_position" in result:
-        untrained = result["untrained_acceptance_per_position"]
-        left.bar([p + 0.2 for p in positions], untrained, width=0.4, label="untrained drafter")
-    left.set(
-        xlabel="draft position",
-        ylabel="acceptance rate",
-        ylim=(0, 1.05),
-        title=f"acceptance length {result['acceptance_length']:.2f} of {result['max_acceptance_length']}",
-    )
-    left.set_xticks(list(positions))
-    left.legend()
-    right.bar(
-        ["target alone", "target + drafter"],
-        [result["tokens_per_s_without_drafter"], result["tokens_per_s_with_drafter"]],
-    )
-    right.set(ylabel="output tokens / s", title="throughput on held-out questions")
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+def acceptance_length(tally: Tally) -> float:
+    steps = sum(tally.histogram)
+    return 1.0 + sum(j * n for j, n in enumerate(tally.histogram)) / steps if steps else 1.0
+
+
+def check_against_server(phases: list[Phase], counters: dict, drafter: Path) -> None:
+    """The per-request records must add up to the server's own counters: a response field
+    that changed shape would otherwise skew every number silently."""
+    total = merged(t for phase in phases for t in phase.categories.values())
+    steps = sum(total.histogram)
+    accepted = sum(j * n for j, n in enumerate(total.histogram))
+    if not counters["drafts"]:
+        raise EvaluationError(
+            f"vLLM reported no drafts while serving {drafter}; the drafter was not used: "
+            "check the server log above for a speculative-config error"
+        )
+    if (steps, accepted) != (counters["drafts"], counters["accepted_tokens"]):
+        raise EvaluationError(
+            f"the responses' acceptance records ({steps} steps, {accepted} accepted) disagree with the "
+            f"server's counters ({counters['drafts']} drafts, {counters['accepted_tokens']} accepted); "
+            "the per-request spec-decode metrics of this vLLM differ from what draftsmith reads: "
+            "pin the tested vLLM release"
+        )
 
 
 def speculative_config(drafter: Path, num_speculative_tokens: int) -> dict:
@@ -212,73 +251,35 @@ def speculative_config(drafter: Path, num_speculative_tokens: int) -> dict:
     }
 
 
-def read_heldout(path: Path, limit: int | None) -> list[dict]:
-    with path.open(encoding="utf-8") as handle:
-        questions = [json.loads(line) for line in handle if line.strip()]
-    if not questions:
-        raise EvaluationError(f"{path} holds no held-out questions; set questions.heldout ≥ 1")
-    return questions[:limit] if limit else questions
-
-
 def run(
-    settings: dict,
-    heldout: Path,
-    drafter: Path,
-    spec_config: Path,
-    output: Path,
-    plot_path: Path,
-    untrained_drafter: Path | None,
-    granted_gpus: int | None,
+    settings: dict, prompts_path: Path, drafter: Path | None, k: int | None, output: Path, granted_gpus: int | None
 ) -> dict:
     check_gpu_slot(settings, granted_gpus)
-    questions = read_heldout(heldout, settings["evaluation"]["limit"])
-    k = settings["evaluation"]["num_speculative_tokens"]
+    if drafter is not None and k not in draft_lengths(settings):
+        raise EvaluationError(f"draft length {k} is not in evaluation.num_speculative_tokens; add it there")
+    prompts = read_prompts(prompts_path)
     # Every evaluation server runs the target the same way, so the speedup compares like with like.
     attention = evaluation_attention(read_target_config(settings["target"]["model"]), settings["device"])
     if attention.mla_disabled:
         log(attention.reason)
-    log(f"evaluating on {len(questions)} held-out questions")
-    without = measure(settings, questions, None, "target alone", attention)
-    with_drafter = measure(settings, questions, speculative_config(drafter, k), "target + drafter", attention)
-    untrained = None
-    if untrained_drafter is not None:
-        untrained = measure(
-            settings, questions, speculative_config(untrained_drafter, k), "untrained drafter", attention
-        )
-    result = summarize(with_drafter, without, untrained, k)
-    result["mla_disabled"] = attention.mla_disabled
-    if attention.mla_disabled:
-        result["mla_disabled_because"] = attention.reason
-    plot(result, plot_path)
-    atomic_write_text(spec_config, json.dumps(speculative_config(drafter, k)) + "\n")
+    log(f"evaluating on {len(prompts)} prompts in {len({p['set'] for p in prompts})} set(s)")
+    result = measure(settings, prompts, drafter, k, attention)
     atomic_write_text(output, json.dumps(result, indent=2) + "\n")
-    log(f"acceptance length {result['acceptance_length']} (per position {result['acceptance_per_position']})")
     return result
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", required=True, help=SETTINGS_HELP)
-    parser.add_argument("--heldout", required=True, type=Path)
-    parser.add_argument("--drafter", required=True, type=Path, help="the trained drafter directory")
-    parser.add_argument("--untrained-drafter", type=Path, default=None, help="a baseline drafter")
-    parser.add_argument(
-        "--spec-config", required=True, type=Path, help="where to write the drafter's --speculative-config JSON"
-    )
+    parser.add_argument("--stage", required=True, help="the rule whose settings apply")
+    parser.add_argument("--prompts", required=True, type=Path, help="the evaluation_sets stage's prompts")
+    parser.add_argument("--drafter", type=Path, default=None, help="a drafter directory (none: the baseline)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None)
     parser.add_argument("--output", required=True, type=Path)
-    parser.add_argument("--plot", required=True, type=Path)
     parser.add_argument("--granted-gpus", type=int, default=None)
     args = parser.parse_args(argv)
-    run(
-        read_settings(args.settings, "evaluate"),
-        args.heldout,
-        args.drafter,
-        args.spec_config,
-        args.output,
-        args.plot,
-        args.untrained_drafter,
-        args.granted_gpus,
-    )
+    settings = read_settings(args.settings, args.stage)
+    run(settings, args.prompts, args.drafter, args.num_speculative_tokens, args.output, args.granted_gpus)
 
 
 if __name__ == "__main__":

@@ -117,12 +117,40 @@ class Layout:
         return self.results / "drafter_speculative_config.json"
 
     @property
+    def evaluation(self) -> Path:
+        return self.results / "eval"
+
+    @property
+    def evaluation_prompts(self) -> Path:
+        return self.evaluation / "prompts.jsonl"
+
+    @property
+    def baseline_measurement(self) -> Path:
+        return self.evaluation / "baseline.json"
+
+    def drafter_measurement(self, k: int | str) -> Path:
+        return self.evaluation / f"drafter_k{k}.json"
+
+    def untrained_measurement(self, k: int | str) -> Path:
+        return self.evaluation / f"untrained_k{k}.json"
+
+    @property
     def acceptance(self) -> Path:
-        return self.results / "eval" / "acceptance.json"
+        return self.evaluation / "acceptance.json"
 
     @property
     def acceptance_plot(self) -> Path:
-        return self.results / "eval" / "acceptance.png"
+        """Acceptance per prompt set (and category) and draft position."""
+        return self.evaluation / "acceptance.png"
+
+    @property
+    def speedup_plot(self) -> Path:
+        return self.evaluation / "speedup.png"
+
+    @property
+    def evaluation_tables(self) -> Path:
+        """The recommendation and per-set tables, as HTML for the report."""
+        return self.evaluation / "tables.html"
 
     # the plan and the report
     @property

@@ -20,6 +20,7 @@ from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.errors import DraftsmithError
 from draftsmith.layout import HIDDEN_STATE_GLOB, Layout
 from draftsmith.progress import log
+from draftsmith.settings import draft_lengths
 
 BYTES_PER_VALUE = 2  # bf16, as vLLM writes the hidden states
 # Until the questions stage has run, prompts are assumed this long (chat template included).
@@ -146,12 +147,20 @@ def plan_for(settings: dict, results: Path) -> dict:
         "model_loads": {
             "generation": 0 if external else settings["questions"]["shards"],
             "extraction": settings["extraction"]["shards"],
-            "evaluation": 2,
+            "evaluation": evaluation_loads(settings),
         },
+        "draft_lengths": len(draft_lengths(settings)),
+        "compare_untrained": settings["evaluation"]["compare_untrained"],
         "gpu_slot": settings["gpu_slot"],
         "gpus_per_server": server["tensor_parallel_size"] * server["data_parallel_size"],
         "done": done,
     }
+
+
+def evaluation_loads(settings: dict) -> int:
+    """The target alone once, once per draft length, and the untrained drafter once: on a
+    1T-parameter target each load is many minutes, so a long sweep shows here first."""
+    return 1 + len(draft_lengths(settings)) + int(settings["evaluation"]["compare_untrained"])
 
 
 def human_bytes(n: float) -> str:
@@ -184,7 +193,9 @@ def format_plan(plan: dict) -> str:
         ),
         (
             "model loads: generation / extraction / evaluation",
-            f"{loads['generation']} / {loads['extraction']} / {loads['evaluation']}",
+            f"{loads['generation']} / {loads['extraction']} / {loads['evaluation']}"
+            f" (evaluation: target alone + {plan['draft_lengths']} draft length(s)"
+            f"{' + untrained' if plan['compare_untrained'] else ''})",
         ),
         ("GPU slot (GPUs per heavy job) / TP x DP", f"{plan['gpu_slot']} / {plan['gpus_per_server']}"),
         ("done: generation shards / answers staged", f"{done['generation_shards_done']} / {done['answers_staged']:,}"),

@@ -33,7 +33,7 @@ import typing
 from importlib import metadata
 from pathlib import Path
 
-from draftsmith import vllm_cpu_rope
+from draftsmith import vllm_cpu_rope, vllm_cpu_sampling
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_config
 from draftsmith.errors import DraftsmithError
@@ -122,20 +122,29 @@ def check_required_names() -> list[str]:
     return problems
 
 
+# draftsmith's vLLM plugins and what a vLLM without them gets wrong on a CPU.
+VLLM_PLUGINS = {
+    vllm_cpu_rope: "serves DeepSeek/Kimi targets wrong",
+    vllm_cpu_sampling: "samples speculative decoding at garbage temperatures",
+}
+
+
 def check_vllm_plugin() -> list[str]:
-    """vLLM finds draftsmith's plugin only through the installed package's entry point."""
-    plugins = {entry.name: entry.value for entry in metadata.entry_points(group=vllm_cpu_rope.PLUGIN_GROUP)}
-    if plugins.get(vllm_cpu_rope.PLUGIN_NAME) != vllm_cpu_rope.PLUGIN_VALUE:
-        return [
-            f"vLLM will not load draftsmith's plugin {vllm_cpu_rope.PLUGIN_NAME} (without it the CPU build "
-            "serves DeepSeek/Kimi targets wrong); install draftsmith: pip install -e '.[cpu]'"
-        ]
+    """vLLM finds draftsmith's plugins only through the installed package's entry points."""
+    problems = []
     allowed = os.environ.get("VLLM_PLUGINS")
-    if allowed is not None and vllm_cpu_rope.PLUGIN_NAME not in allowed.split(","):
-        return [
-            f"VLLM_PLUGINS={allowed} leaves out {vllm_cpu_rope.PLUGIN_NAME}; add it to the list or unset VLLM_PLUGINS"
-        ]
-    return []
+    for plugin, without in VLLM_PLUGINS.items():
+        plugins = {entry.name: entry.value for entry in metadata.entry_points(group=plugin.PLUGIN_GROUP)}
+        if plugins.get(plugin.PLUGIN_NAME) != plugin.PLUGIN_VALUE:
+            problems.append(
+                f"vLLM will not load draftsmith's plugin {plugin.PLUGIN_NAME} (without it the CPU build "
+                f"{without}); install draftsmith: pip install -e '.[cpu]'"
+            )
+        elif allowed is not None and plugin.PLUGIN_NAME not in allowed.split(","):
+            problems.append(
+                f"VLLM_PLUGINS={allowed} leaves out {plugin.PLUGIN_NAME}; add it to the list or unset VLLM_PLUGINS"
+            )
+    return problems
 
 
 def _flags(parser: argparse.ArgumentParser) -> set[str]:
@@ -285,10 +294,14 @@ def check_target(settings: dict) -> list[str]:
 def check_local_inputs(settings: dict) -> list[str]:
     """Every local path the config names exists. Snakemake does not look at the inputs of
     a finished job, so a mistyped path after a run would otherwise pass as "nothing to do"."""
-    source = settings["questions"]["source"]
-    if is_local_source(source) and not Path(source).expanduser().exists():
-        return [f"questions.source {source} does not exist (a local path, not a hub id); fix the path in the config"]
-    return []
+    sources = {"questions.source": settings["questions"]["source"]}
+    for name, spec in settings["evaluation"]["sets"].items():
+        sources[f"evaluation.sets.{name}.source"] = spec["source"]
+    return [
+        f"{key} {source} does not exist (a local path, not a hub id); fix the path in the config"
+        for key, source in sources.items()
+        if is_local_source(source) and not Path(source).expanduser().exists()
+    ]
 
 
 def check_serving(text_config: dict, settings: dict) -> list[str]:

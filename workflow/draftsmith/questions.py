@@ -65,6 +65,8 @@ def _turns(row: Any) -> list[Any]:
 
 
 def _role_and_content(turn: Any) -> tuple[str, Any]:
+    if isinstance(turn, str):  # a list of plain strings (MT-Bench's "prompt"): user turns
+        return "user", turn
     if not isinstance(turn, dict):
         raise BadRow("a turn is not an object")
     role = turn.get("role", turn.get("from"))
@@ -158,8 +160,11 @@ def read_rows(source: str, split: str = "train", subset: str | None = None) -> I
     yield from load_dataset(source, name=subset, split=split, streaming=True)
 
 
-def collect_questions(rows: Iterable[Any], limit: int | None) -> tuple[list[Question], Counter]:
-    """Deduplicated questions in source order, and counts of what was dropped and why."""
+def collect_questions(
+    rows: Iterable[Any], limit: int | None, kept_rows: list | None = None
+) -> tuple[list[Question], Counter]:
+    """Deduplicated questions in source order, and counts of what was dropped and why.
+    ``kept_rows``, if given, receives the source row of each question (its other fields)."""
     counts: Counter = Counter()
     seen: set[str] = set()
     questions: list[Question] = []
@@ -178,6 +183,8 @@ def collect_questions(rows: Iterable[Any], limit: int | None) -> tuple[list[Ques
             continue
         seen.add(digest)
         questions.append(Question(f"q{digest[:16]}", messages))
+        if kept_rows is not None:
+            kept_rows.append(row)
         if limit is not None and len(questions) >= limit:
             break
     return questions, counts

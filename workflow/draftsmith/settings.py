@@ -112,6 +112,27 @@ def trainer_processes(config: dict) -> int:
     return config["gpu_slot"] if config["device"] == "cuda" else 1
 
 
+def swept(value: int | list[int]) -> list[int]:
+    """A setting the evaluation sweeps: one value or a list of them, in the config's order."""
+    return list(value) if isinstance(value, list) else [value]
+
+
+def draft_lengths(config: dict) -> list[int]:
+    """``evaluation.num_speculative_tokens``: the first is the default (acceptance.json's top level)."""
+    return swept(config["evaluation"]["num_speculative_tokens"])
+
+
+def concurrencies(config: dict) -> list[int]:
+    """``evaluation.concurrency``: the first is the default (acceptance.json's top level)."""
+    return swept(config["evaluation"]["concurrency"])
+
+
+def evaluation_samplings(config: dict) -> list[dict]:
+    """Greedy, as vLLM drafts, and with ``evaluation.sampled`` the generation's sampling too."""
+    greedy = [{"temperature": 0.0}]
+    return greedy + [dict(config["generation"]["sampling"])] if config["evaluation"]["sampled"] else greedy
+
+
 # Settings that are not config keys themselves: a part of one, or a value computed from some.
 # name -> (the config keys it comes from, how)
 DERIVED = {
@@ -132,7 +153,16 @@ DERIVED = {
         lambda c: {k: v for k, v in sorted(c["server"]["env"].items()) if _operational_env(k)},
     ),
     "trainer_processes": (("device", "gpu_slot"), trainer_processes),
+    "evaluation.samplings": (("evaluation.sampled", "generation.sampling"), evaluation_samplings),
+    "evaluation.default_num_speculative_tokens": (
+        ("evaluation.num_speculative_tokens",),
+        lambda c: draft_lengths(c)[0],
+    ),
 }
+
+# Settings whose every value is a job of its own (the value is in the output's name): a new
+# value adds its job and leaves the others; the rules tracking the whole list re-run.
+SWEPT = {"evaluation.num_speculative_tokens": "evaluate_drafter"}
 
 # The keys that say where results go: a new value starts over in the new place.
 WHERE = ("results_dir",)
@@ -158,7 +188,16 @@ SERVER_PATIENCE = ("server.max_model_len", "server.startup_timeout_s", "target.t
 SERVER_NUMERICS = ("server.extra_args[numerics]", "server.env[numerics]")
 SERVER_OTHER = ("server.extra_args[other]", "server.env[other]")
 # Rules that take the demo target as an input when the workflow builds it.
-TARGET_READERS = ("generate", "dataset", "extract", "train", "untrained_drafter", "evaluate")
+TARGET_READERS = (
+    "generate",
+    "dataset",
+    "extract",
+    "train",
+    "untrained_drafter",
+    "evaluate_baseline",
+    "evaluate_drafter",
+    "evaluate_untrained",
+)
 DRAFTER_SHAPE = (
     "target.model",
     "layers",
@@ -168,6 +207,18 @@ DRAFTER_SHAPE = (
     "training.extra_args",
 )
 TRAINING_TIME = ("training.epochs", "training.lr", "training.total_seq_len")
+EVALUATION_SHAPE = (
+    "target.model",
+    "device",
+    "server.tensor_parallel_size",
+    "server.data_parallel_size",
+    *SERVER_NUMERICS,
+    *SERVER_OTHER,
+    "evaluation.max_tokens",
+    "evaluation.concurrency",
+    "evaluation.samplings",
+)
+EVALUATION_OPERATIONS = ("gpu_slot", *SERVER_PATIENCE, "evaluation.request_timeout_s", "evaluation.max_retries")
 PLAN_READS = (
     "target.model",
     "layers",
@@ -179,6 +230,8 @@ PLAN_READS = (
     "gpu_slot",
     "server.tensor_parallel_size",
     "server.data_parallel_size",
+    "evaluation.num_speculative_tokens",
+    "evaluation.compare_untrained",
 )
 
 STAGES: dict[str, Stage] = {
@@ -251,24 +304,28 @@ STAGES: dict[str, Stage] = {
         operational=(*SERVER_PLACEMENT, *TRAINING_TIME, "target.trust_remote_code", "training.stall_timeout_s"),
         software=("speculators", "torch", "transformers"),
     ),
-    # The evaluation measures throughput too, and every server option can move that.
-    "evaluate": Stage(
-        shaping=(
-            "target.model",
-            "device",
-            "server.tensor_parallel_size",
-            "server.data_parallel_size",
-            *SERVER_NUMERICS,
-            *SERVER_OTHER,
-            "evaluation.num_speculative_tokens",
-            "evaluation.max_tokens",
-            "evaluation.concurrency",
-            "evaluation.compare_untrained",
-            "evaluation.limit",
-        ),
+    "evaluation_sets": Stage(shaping=("evaluation.sets", "evaluation.limit")),
+    # The evaluation measures throughput too, and every server option can move that. The
+    # draft length is the drafter job's wildcard: a new length is a new job, the others stay.
+    "evaluate_baseline": Stage(
+        shaping=EVALUATION_SHAPE, extent=("target.build_demo",), operational=EVALUATION_OPERATIONS, software=("vllm",)
+    ),
+    "evaluate_drafter": Stage(
+        shaping=EVALUATION_SHAPE,
         extent=("target.build_demo",),
-        operational=("gpu_slot", *SERVER_PATIENCE),
+        operational=(*EVALUATION_OPERATIONS, "evaluation.num_speculative_tokens"),
         software=("vllm",),
+    ),
+    # The untrained drafter is measured at the default draft length only (the wiring proof).
+    "evaluate_untrained": Stage(
+        shaping=EVALUATION_SHAPE,
+        extent=("target.build_demo",),
+        operational=(*EVALUATION_OPERATIONS, "evaluation.num_speculative_tokens"),
+        software=("vllm",),
+    ),
+    # The tables, plots, recommendation and serving config, from the measurements.
+    "evaluate": Stage(
+        shaping=("evaluation.num_speculative_tokens", "evaluation.concurrency", "evaluation.compare_untrained"),
     ),
     # Snapshots of the finished run: they re-run with the evaluation they read, and track
     # nothing themselves (a timeout change must not rewrite the report's plan).
@@ -283,13 +340,17 @@ STAGES: dict[str, Stage] = {
 # Snakemake's own). A rule that re-runs re-runs everything that reads it.
 CONSUMERS: dict[str, tuple[str, ...]] = {
     "demo_model": TARGET_READERS,
-    "questions": ("generate", "evaluate", "plan_snapshot"),
+    "questions": ("generate", "evaluation_sets", "plan_snapshot"),
     "generate": ("dataset", "completion_lengths", "plan_snapshot"),
     "dataset": ("extract", "training_view", "train", "untrained_drafter"),
     "extract": ("training_view", "plan_snapshot"),
     "training_view": ("train", "untrained_drafter"),
-    "train": ("evaluate", "training_curves", "plan_snapshot"),
-    "untrained_drafter": ("evaluate",),
+    "train": ("evaluate_drafter", "training_curves", "plan_snapshot"),
+    "untrained_drafter": ("evaluate_untrained",),
+    "evaluation_sets": ("evaluate_baseline", "evaluate_drafter", "evaluate_untrained"),
+    "evaluate_baseline": ("evaluate",),
+    "evaluate_drafter": ("evaluate",),
+    "evaluate_untrained": ("evaluate",),
     "evaluate": ("plan_snapshot", "run_metadata"),
     "completion_lengths": (),
     "training_curves": (),
@@ -417,6 +478,10 @@ def reruns_text(setting: str) -> str:
     if setting in WHERE:
         return "everything, in the new directory (a built demo target stays at `target.model`)"
     rules = [rule for rule in RULE_ORDER if rule in rules_tracking(setting)]
+    if setting in SWEPT:
+        return (
+            f"`{SWEPT[setting]}` for each new value, " + ", ".join(f"`{rule}`" for rule in rules) + " and what follows"
+        )
     return ", ".join(f"`{rule}`" for rule in rules) + " and what follows" if rules else "nothing"
 
 

@@ -3,7 +3,7 @@ import shlex
 
 from draftsmith.layout import Layout
 from draftsmith.questions import is_local_source
-from draftsmith.settings import dumps, tracked_settings
+from draftsmith.settings import draft_lengths, dumps, tracked_settings
 
 LAYOUT = Layout(config["results_dir"])
 RESULTS = str(LAYOUT.results)
@@ -57,9 +57,20 @@ def extraction_shards():
     return [path(LAYOUT.hidden_state_shard(shard)) for shard in EXTRACTION_SHARDS]
 
 
-def untrained_drafter_input():
+def evaluation_set_inputs():
+    """The sets' local files are inputs (editing one re-runs the evaluation); hub ids are not."""
+    sources = [spec["source"] for spec in config["evaluation"]["sets"].values()]
+    return [source for source in sources if is_local_source(source)]
+
+
+def drafter_measurements():
+    return [path(LAYOUT.drafter_measurement(k)) for k in draft_lengths(config)]
+
+
+def untrained_measurement_input():
+    """The untrained drafter, measured at the default (first) draft length."""
     if config["evaluation"]["compare_untrained"]:
-        return [path(LAYOUT.untrained_drafter)]
+        return [path(LAYOUT.untrained_measurement(draft_lengths(config)[0]))]
     return []
 
 

@@ -1,35 +1,130 @@
-rule evaluate:
+# The prompts: the held-out split and every set of evaluation.sets, read once.
+rule evaluation_sets:
     input:
         heldout=path(LAYOUT.heldout),
-        drafter=path(LAYOUT.drafter),
-        untrained=untrained_drafter_input(),
+        sources=evaluation_set_inputs(),
+    output:
+        path(LAYOUT.evaluation_prompts),
+    log:
+        log_path("evaluate/sets"),
+    localrule: True
+    conda:
+        CONDA_ENV
+    params:
+        tracked=tracked("evaluation_sets"),
+        config=RUN_CONFIG,
+    shell:
+        "python -m draftsmith.evaluation_sets --settings {params.config:q}"
+        " --heldout {input.heldout:q} --output {output:q} > {log:q} 2>&1"
+
+
+# The target alone, once: every set, concurrency and sampling on one server.
+rule evaluate_baseline:
+    input:
+        prompts=path(LAYOUT.evaluation_prompts),
         model=target_model_input(),
     output:
-        acceptance=path(LAYOUT.acceptance),
-        spec_config=path(LAYOUT.speculative_config),
-        plot=report(
-            path(LAYOUT.acceptance_plot),
-            caption="../report/acceptance.rst",
-            category="Evaluation",
-        ),
+        path(LAYOUT.baseline_measurement),
     log:
-        log_path("evaluate"),
+        log_path("evaluate/baseline"),
     benchmark:
-        benchmark_path("evaluate")
+        benchmark_path("evaluate/baseline")
     conda:
         CONDA_ENV
     resources:
         gpu=config["gpu_slot"],
     params:
+        tracked=tracked("evaluate_baseline"),
+        config=RUN_CONFIG,
+    shell:
+        "python -m draftsmith.evaluate --settings {params.config:q} --stage evaluate_baseline"
+        " --prompts {input.prompts:q} --output {output:q}"
+        " --granted-gpus {resources.gpu} > {log:q} 2>&1"
+
+
+# One job per draft length: adding a length to the sweep runs only its job (and the summary).
+rule evaluate_drafter:
+    input:
+        prompts=path(LAYOUT.evaluation_prompts),
+        drafter=path(LAYOUT.drafter),
+        model=target_model_input(),
+    output:
+        path(LAYOUT.drafter_measurement("{k}")),
+    log:
+        log_path("evaluate/drafter_k{k}"),
+    benchmark:
+        benchmark_path("evaluate/drafter_k{k}")
+    wildcard_constraints:
+        k=r"\d+",
+    conda:
+        CONDA_ENV
+    resources:
+        gpu=config["gpu_slot"],
+    params:
+        tracked=tracked("evaluate_drafter"),
+        config=RUN_CONFIG,
+        stage="evaluate_drafter",
+    shell:
+        "python -m draftsmith.evaluate --settings {params.config:q} --stage {params.stage}"
+        " --prompts {input.prompts:q} --drafter {input.drafter:q} --num-speculative-tokens {wildcards.k}"
+        " --output {output:q} --granted-gpus {resources.gpu} > {log:q} 2>&1"
+
+
+# The wiring proof: the same drafter shape, never trained, at the default draft length.
+use rule evaluate_drafter as evaluate_untrained with:
+    input:
+        prompts=path(LAYOUT.evaluation_prompts),
+        drafter=path(LAYOUT.untrained_drafter),
+        model=target_model_input(),
+    output:
+        path(LAYOUT.untrained_measurement("{k}")),
+    log:
+        log_path("evaluate/untrained_k{k}"),
+    benchmark:
+        benchmark_path("evaluate/untrained_k{k}")
+    params:
+        tracked=tracked("evaluate_untrained"),
+        config=RUN_CONFIG,
+        stage="evaluate_untrained",
+
+
+rule evaluate:
+    input:
+        baseline=path(LAYOUT.baseline_measurement),
+        drafter_jobs=drafter_measurements(),
+        untrained=untrained_measurement_input(),
+    output:
+        acceptance=path(LAYOUT.acceptance),
+        spec_config=path(LAYOUT.speculative_config),
+        acceptance_plot=report(
+            path(LAYOUT.acceptance_plot),
+            caption="../report/acceptance.rst",
+            category="Evaluation",
+        ),
+        speedup_plot=report(
+            path(LAYOUT.speedup_plot),
+            caption="../report/speedup.rst",
+            category="Evaluation",
+        ),
+        tables=report(
+            path(LAYOUT.evaluation_tables),
+            caption="../report/evaluation_tables.rst",
+            category="Evaluation",
+        ),
+    log:
+        log_path("evaluate/summary"),
+    localrule: True
+    conda:
+        CONDA_ENV
+    params:
         tracked=tracked("evaluate"),
         config=RUN_CONFIG,
         untrained=lambda wildcards, input: (
-            f"--untrained-drafter {shlex.quote(input.untrained[0])}"
-            if input.untrained
-            else ""
+            f"--untrained {shlex.quote(input.untrained[0])}" if input.untrained else ""
         ),
     shell:
-        "python -m draftsmith.evaluate --settings {params.config:q}"
-        " --heldout {input.heldout:q} --drafter {input.drafter:q} {params.untrained}"
-        " --spec-config {output.spec_config:q} --output {output.acceptance:q}"
-        " --plot {output.plot:q} --granted-gpus {resources.gpu} > {log:q} 2>&1"
+        "python -m draftsmith.evaluation_summary --settings {params.config:q}"
+        " --baseline {input.baseline:q} --drafter-jobs {input.drafter_jobs:q} {params.untrained}"
+        " --acceptance {output.acceptance:q}"
+        " --spec-config {output.spec_config:q} --acceptance-plot {output.acceptance_plot:q}"
+        " --speedup-plot {output.speedup_plot:q} --tables {output.tables:q} > {log:q} 2>&1"

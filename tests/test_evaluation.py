@@ -1,0 +1,257 @@
+"""The evaluation's arithmetic and bookkeeping, on hand-made records (fast tier).
+
+The sweep's real runs (vLLM CPU build) are in tests/test_workflow.py; here: the prompt
+sets as read, acceptance from vLLM's per-request histograms, the recommendation, the
+top-level keys acceptance.json keeps, and the check against the server's counters.
+"""
+
+import json
+
+import pytest
+import yaml
+from conftest import ROOT
+from snakemake.utils import validate
+
+from draftsmith import evaluation_sets
+from draftsmith.evaluate import EvaluationError, Phase, Tally, acceptance_length, check_against_server
+from draftsmith.evaluation_summary import per_position, run, summarize
+from draftsmith.settings import concurrencies, draft_lengths, evaluation_samplings, tracked_settings
+
+SCHEMA = str(ROOT / "workflow/schemas/config.schema.yaml")
+
+
+def response(tokens: int, histogram: list[int] | None = None) -> dict:
+    """A chat completion as vLLM returns it with --per-request-spec-decode-metrics summary."""
+    body = {"usage": {"completion_tokens": tokens}}
+    if histogram is not None:
+        k = len(histogram) - 1
+        body["metrics"] = {
+            "speculative_decoding": {
+                "acceptance_histogram": histogram,
+                "num_spec_steps": sum(histogram),
+                "num_accepted_draft_tokens": sum(j * n for j, n in enumerate(histogram)),
+                "num_draft_tokens": k * sum(histogram),
+                "num_spec_tokens": k,
+            }
+        }
+    return body
+
+
+def test_acceptance_comes_from_the_summed_histograms():
+    tally = Tally()
+    tally.add(response(10, [1, 0, 1]), 0.5)  # steps: none accepted, both accepted
+    tally.add(response(6, [1, 1, 0]), 0.5)
+    assert tally.histogram == [2, 1, 1]
+    assert acceptance_length(tally) == pytest.approx(1 + (1 + 2) / 4)
+    assert per_position(tally, 2) == [0.5, 0.25]
+    assert tally.draft_tokens == 8 and tally.completion_tokens == 16
+
+
+def test_the_baseline_has_no_acceptance_record():
+    tally = Tally()
+    tally.add(response(10), 1.0)
+    assert tally.histogram == [] and acceptance_length(tally) == 1.0
+
+
+def test_records_that_disagree_with_the_server_counters_stop_the_job():
+    phase = Phase("heldout", 8, {"temperature": 0.0})
+    phase.categories["all"].add(response(10, [1, 0, 3]), 1.0)
+    check_against_server([phase], {"drafts": 4, "accepted_tokens": 6}, ROOT)
+    with pytest.raises(EvaluationError, match="disagree with the server's counters"):
+        check_against_server([phase], {"drafts": 5, "accepted_tokens": 6}, ROOT)
+    with pytest.raises(EvaluationError, match="drafter was not used"):
+        check_against_server([phase], {"drafts": 0, "accepted_tokens": 0}, ROOT)
+
+
+def phase(name: str, concurrency: int, temperature: float, seconds: float, categories: dict) -> dict:
+    """A phase as evaluate.py writes it: category -> (requests, tokens, latency, histogram)."""
+    return {
+        "set": name,
+        "concurrency": concurrency,
+        "sampling": {"temperature": temperature},
+        "seconds": seconds,
+        "categories": {
+            category: {
+                "requests": requests,
+                "completion_tokens": tokens,
+                "request_seconds": latency,
+                "histogram": histogram,
+                "draft_tokens": (len(histogram) - 1) * sum(histogram),
+            }
+            for category, (requests, tokens, latency, histogram) in categories.items()
+        },
+    }
+
+
+def job(k, seconds_by_concurrency: dict, histogram=None, untrained=False) -> dict:
+    """One measurement job: held-out and a two-category set, greedy, at each concurrency."""
+    histogram = histogram or ([] if k is None else [1] * (k + 1))
+    phases = []
+    for concurrency, seconds in seconds_by_concurrency.items():
+        phases.append(phase("heldout", concurrency, 0.0, seconds, {"all": (10, 100, seconds * 4, histogram)}))
+        phases.append(
+            phase(
+                "code",
+                concurrency,
+                0.0,
+                seconds,
+                {"py": (5, 50, seconds * 2, histogram), "sql": (5, 50, seconds * 3, histogram)},
+            )
+        )
+    return {"num_speculative_tokens": k, "phases": phases, "mla_disabled": False, "drafter": "x"}
+
+
+def settings(ks, concurrency, untrained=False) -> dict:
+    return {"evaluation": {"num_speculative_tokens": ks, "concurrency": concurrency, "compare_untrained": untrained}}
+
+
+def test_the_recommendation_is_the_fastest_draft_length_at_each_concurrency(tmp_path):
+    """k=1 wins at concurrency 16 and k=3 at concurrency 1; the serving config follows the
+    first concurrency listed."""
+    baseline = job(None, {1: 2.0, 16: 1.0})
+    drafters = {3: job(3, {1: 1.0, 16: 1.5}), 1: job(1, {1: 1.5, 16: 0.5})}
+    result = summarize(settings([3, 1], [16, 1]), baseline, drafters, None)
+    best = {row["concurrency"]: row for row in result["recommendation"]}
+    assert best[1]["num_speculative_tokens"] == 3 and best[1]["speedup"] == pytest.approx(2.0)
+    assert best[16]["num_speculative_tokens"] == 1 and best[16]["speedup"] == pytest.approx(2.0)
+    assert best[16]["speculative_config"]["num_speculative_tokens"] == 1
+    # The top level: held-out, the first draft length (3) and the first concurrency (16).
+    assert result["num_speculative_tokens"] == 3 and result["concurrency"] == 16
+    assert result["max_acceptance_length"] == 4
+    assert result["speedup"] == pytest.approx(1.0 / 1.5, abs=1e-3)
+    assert result["with_drafter"]["drafts"] == 4 and result["with_drafter"]["accepted_per_position"] == [3, 2, 1]
+
+
+def test_every_set_and_category_gets_a_row(tmp_path):
+    baseline = job(None, {8: 1.0})
+    result = summarize(settings(2, 8), baseline, {2: job(2, {8: 1.0}, histogram=[0, 1, 3])}, None)
+    rows = {(r["set"], r["category"]): r for r in result["results"]}
+    assert set(rows) == {("heldout", "*"), ("code", "*"), ("code", "py"), ("code", "sql")}
+    assert rows[("code", "py")]["acceptance_length"] == pytest.approx(1 + 7 / 4)
+    assert rows[("code", "py")]["acceptance_per_position"] == [1.0, 0.75]
+    # A category's speed is per request: py's requests took 2 s, sql's 3 s, for 50 tokens each.
+    assert rows[("code", "py")]["request_tokens_per_s_with_drafter"] == 25.0
+    assert rows[("code", "sql")]["request_tokens_per_s_with_drafter"] == pytest.approx(16.67)
+
+
+def test_the_summary_writes_the_report_files_and_the_untrained_comparison(tmp_path):
+    for name, record in {
+        "baseline": job(None, {8: 1.0, 1: 2.0}),
+        "k2": job(2, {8: 0.8, 1: 1.5}, histogram=[0, 1, 3]),
+        "k1": job(1, {8: 0.9, 1: 1.8}),
+        "untrained": job(2, {8: 2.0, 1: 3.0}, histogram=[4, 0, 0]),
+    }.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(record))
+    outputs = {
+        "acceptance": tmp_path / "acceptance.json",
+        "spec_config": tmp_path / "spec.json",
+        "acceptance_plot": tmp_path / "acceptance.png",
+        "speedup_plot": tmp_path / "speedup.png",
+        "tables": tmp_path / "tables.html",
+    }
+    run(
+        settings([2, 1], [8, 1], untrained=True),
+        tmp_path / "baseline.json",
+        [tmp_path / "k2.json", tmp_path / "k1.json"],
+        tmp_path / "untrained.json",
+        outputs,
+    )
+    result = json.loads(outputs["acceptance"].read_text())
+    assert result["untrained_acceptance_length"] == 1.0 and result["acceptance_length"] == pytest.approx(2.75)
+    assert json.loads(outputs["spec_config"].read_text())["num_speculative_tokens"] == 2
+    assert outputs["acceptance_plot"].stat().st_size > 10_000 and outputs["speedup_plot"].stat().st_size > 10_000
+    html = outputs["tables"].read_text()
+    assert "Recommended draft length" in html and "<td>sql</td>" in html
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_sets_read_prompt_fields_categories_and_limits(tmp_path):
+    heldout = tmp_path / "heldout.jsonl"
+    write_jsonl(heldout, [{"id": "h1", "messages": [{"role": "user", "content": "hi"}]}])
+    gsm = write_jsonl(tmp_path / "gsm.jsonl", [{"question": f"what is {n}+1?"} for n in range(5)])
+    mt = write_jsonl(
+        tmp_path / "mt.jsonl",
+        [
+            {"prompt": ["write a poem", "now shorter"], "category": "writing"},
+            {"prompt": ["prove it"], "category": "math"},
+            {"prompt": ["write a poem", "again"], "category": "writing"},  # same first turn: a duplicate
+        ],
+    )
+    config = {
+        "evaluation": {
+            "limit": None,
+            "sets": {
+                "gsm8k": {"source": gsm, "prompt_field": "question", "limit": 3},
+                "mt_bench": {"source": mt, "category_field": "category"},
+            },
+        }
+    }
+    output = tmp_path / "prompts.jsonl"
+    sizes = evaluation_sets.run(config, heldout, output)
+    prompts = evaluation_sets.read_prompts(output)
+    assert {name: sum(c.values()) for name, c in sizes.items()} == {"heldout": 1, "gsm8k": 3, "mt_bench": 2}
+    assert [p["category"] for p in prompts if p["set"] == "mt_bench"] == ["writing", "math"]
+    assert prompts[1]["messages"] == [{"role": "user", "content": "what is 0+1?"}]
+    assert prompts[0] == {"set": "heldout", "category": "all", "id": "h1", **prompts[0]}
+
+
+def test_a_set_with_no_usable_prompt_is_named(tmp_path):
+    heldout = write_jsonl(tmp_path / "heldout.jsonl", [{"id": "h1", "messages": [{"role": "user", "content": "x"}]}])
+    empty = write_jsonl(tmp_path / "bad.jsonl", [{"text": "no prompt here"}])
+    config = {"evaluation": {"limit": None, "sets": {"code": {"source": empty}}}}
+    with pytest.raises(evaluation_sets.EvaluationSetError, match="evaluation.sets.code .* holds no usable prompt"):
+        evaluation_sets.run(config, tmp_path / "heldout.jsonl", tmp_path / "out.jsonl")
+    assert heldout and not (tmp_path / "out.jsonl").exists()
+
+
+def demo() -> dict:
+    config = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    validate(config, SCHEMA)
+    return config
+
+
+def test_the_sweep_settings_accept_one_value_or_a_list():
+    config = demo()
+    assert draft_lengths(config) == [3, 1, 2] and concurrencies(config) == [8, 1]
+    assert evaluation_samplings(config) == [{"temperature": 0.0}, {"temperature": 0.7, "top_p": 1.0, "seed": 0}]
+    config["evaluation"].update(num_speculative_tokens=4, concurrency=2, sampled=False)
+    assert draft_lengths(config) == [4] and concurrencies(config) == [2]
+    assert evaluation_samplings(config) == [{"temperature": 0.0}]
+
+
+def test_a_draft_length_is_not_a_setting_of_the_measurement_jobs():
+    """Adding a draft length must leave the finished jobs' params as they are."""
+    config = demo()
+    longer = demo()
+    longer["evaluation"]["num_speculative_tokens"] = [3, 1, 2, 4]
+    for rule in ("evaluation_sets", "evaluate_baseline", "evaluate_drafter", "evaluate_untrained"):
+        assert tracked_settings(config, rule) == tracked_settings(longer, rule), rule
+    assert tracked_settings(config, "evaluate") != tracked_settings(longer, "evaluate")
+    # The generation's sampling is measured only when evaluation.sampled says so.
+    hotter = demo()
+    hotter["generation"]["sampling"]["temperature"] = 0.9
+    assert tracked_settings(config, "evaluate_drafter") != tracked_settings(hotter, "evaluate_drafter")
+    hotter["evaluation"]["sampled"] = config["evaluation"]["sampled"] = False
+    assert tracked_settings(config, "evaluate_drafter") == tracked_settings(hotter, "evaluate_drafter")
+
+
+@pytest.mark.parametrize(
+    "evaluation, message",
+    [
+        ({"num_speculative_tokens": [3, 3]}, "non-unique"),
+        ({"concurrency": []}, "is not valid under any of the given schemas"),
+        ({"sets": {"heldout": {"source": "x.jsonl"}}}, "should not be valid"),
+        ({"sets": {"code": {"path": "x.jsonl"}}}, "'source' is a required property"),
+    ],
+)
+def test_bad_evaluation_settings_are_refused_by_the_schema(evaluation, message):
+    from draftsmith.config_check import config_problem
+
+    config = demo()
+    config["evaluation"].update(evaluation)
+    problem = config_problem(config, SCHEMA)
+    assert problem is not None and problem.startswith("config evaluation"), problem

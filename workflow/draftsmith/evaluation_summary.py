@@ -1,0 +1,455 @@
+"""Evaluation summary: the sweep's measurements as numbers a user can act on.
+
+Reads the baseline job and one job per draft length (``evaluate.py``) and writes:
+
+- ``acceptance.json``: at its top level, as before, the held-out set at the default draft
+  length and concurrency, greedy; beside that, ``results`` (every set, category, draft
+  length, concurrency and sampling) and ``recommendation``;
+- the recommendation: for each concurrency and sampling, the draft length with the best
+  measured throughput over all sets together;
+- ``drafter_speculative_config.json``: vLLM's ``--speculative-config`` for the draft length
+  recommended at the default (first) concurrency, greedy. The recommendation table gives
+  the config for every other concurrency;
+- the report's plots and tables.
+
+Throughput of a set is its tokens over its wall time. Categories share their set's
+wall time, so a category's speed is per request: its tokens over its requests' latencies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from draftsmith.atomic import atomic_write_text  # noqa: E402
+from draftsmith.cli import SETTINGS_HELP, read_settings  # noqa: E402
+from draftsmith.evaluate import Tally, acceptance_length, merged, speculative_config  # noqa: E402
+from draftsmith.evaluation_sets import HELDOUT, NO_CATEGORY  # noqa: E402
+from draftsmith.progress import log  # noqa: E402
+from draftsmith.settings import concurrencies, draft_lengths  # noqa: E402
+
+ALL_SETS = "all sets"
+WHOLE_SET = "*"
+
+
+def per_position(tally: Tally, k: int) -> list[float]:
+    """Acceptance at each draft position: steps that accepted more than p tokens / steps."""
+    steps = sum(tally.histogram)
+    return [round(sum(tally.histogram[p + 1 :]) / steps, 4) if steps else 0.0 for p in range(k)]
+
+
+def temperature(sampling: dict) -> float:
+    return float(sampling.get("temperature", 0.0))
+
+
+def _tallies(phase: dict) -> dict[str, Tally]:
+    return {name: Tally(**values) for name, values in phase["categories"].items()}
+
+
+def _key(phase: dict) -> tuple[float, int, str]:
+    return temperature(phase["sampling"]), phase["concurrency"], phase["set"]
+
+
+def _speed(tokens: int, seconds: float) -> float:
+    return round(tokens / seconds, 2) if seconds else 0.0
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b else None
+
+
+def result_rows(drafter: dict, baseline: dict) -> list[dict]:
+    """One row per set (category ``*``) and per category of a set that has several, for
+    every phase of one drafter job, against the baseline's same phase."""
+    k = drafter["num_speculative_tokens"]
+    alone = {_key(phase): phase for phase in baseline["phases"]}
+    rows = []
+    for phase in drafter["phases"]:
+        base = alone[_key(phase)]
+        tallies, base_tallies = _tallies(phase), _tallies(base)
+        whole, base_whole = merged(tallies.values()), merged(base_tallies.values())
+        common = {
+            "num_speculative_tokens": k,
+            "concurrency": phase["concurrency"],
+            "temperature": temperature(phase["sampling"]),
+            "set": phase["set"],
+        }
+        rows.append(
+            {
+                **common,
+                "category": WHOLE_SET,
+                **_acceptance(whole, k),
+                "tokens_per_s_with_drafter": _speed(whole.completion_tokens, phase["seconds"]),
+                "tokens_per_s_without_drafter": _speed(base_whole.completion_tokens, base["seconds"]),
+                "speedup": _ratio(
+                    _speed(whole.completion_tokens, phase["seconds"]),
+                    _speed(base_whole.completion_tokens, base["seconds"]),
+                ),
+                "with_drafter_seconds": round(phase["seconds"], 3),
+                "without_drafter_seconds": round(base["seconds"], 3),
+            }
+        )
+        if set(tallies) != {NO_CATEGORY}:
+            for category, tally in tallies.items():
+                rows.append(
+                    {
+                        **common,
+                        "category": category,
+                        **_acceptance(tally, k),
+                        **_request_speeds(tally, base_tallies.get(category)),
+                    }
+                )
+    return rows
+
+
+def _acceptance(tally: Tally, k: int) -> dict:
+    return {
+        "requests": tally.requests,
+        "completion_tokens": tally.completion_tokens,
+        "acceptance_length": round(acceptance_length(tally), 4),
+        "acceptance_per_position": per_position(tally, k),
+    }
+
+
+def _request_speeds(tally: Tally, base: Tally | None) -> dict:
+    """A category's speed per request (it shares its set's wall time with the others)."""
+    with_drafter = _speed(tally.completion_tokens, tally.request_seconds)
+    without = _speed(base.completion_tokens, base.request_seconds) if base else 0.0
+    return {
+        "request_tokens_per_s_with_drafter": with_drafter,
+        "request_tokens_per_s_without_drafter": without,
+        "speedup": _ratio(with_drafter, without),
+    }
+
+
+def pooled_throughput(job: dict) -> dict[tuple[float, int], float]:
+    """(temperature, concurrency) -> tokens per second over all sets together."""
+    tokens: dict[tuple[float, int], int] = {}
+    seconds: dict[tuple[float, int], float] = {}
+    for phase in job["phases"]:
+        key = (temperature(phase["sampling"]), phase["concurrency"])
+        tokens[key] = tokens.get(key, 0) + merged(_tallies(phase).values()).completion_tokens
+        seconds[key] = seconds.get(key, 0.0) + phase["seconds"]
+    return {key: _speed(tokens[key], seconds[key]) for key in tokens}
+
+
+def recommend(drafters: dict[int, dict], baseline: dict) -> list[dict]:
+    """For each (sampling, concurrency): the draft length with the best throughput over all sets."""
+    alone = pooled_throughput(baseline)
+    speeds = {k: pooled_throughput(job) for k, job in drafters.items()}
+    rows = []
+    for key in sorted(alone):
+        best = max(speeds, key=lambda k: speeds[k][key])
+        rows.append(
+            {
+                "temperature": key[0],
+                "concurrency": key[1],
+                "num_speculative_tokens": best,
+                "tokens_per_s_with_drafter": speeds[best][key],
+                "tokens_per_s_without_drafter": alone[key],
+                "speedup": _ratio(speeds[best][key], alone[key]),
+                "tokens_per_s_by_draft_length": {str(k): speeds[k][key] for k in sorted(speeds)},
+                "speculative_config": speculative_config(Path(drafters[best]["drafter"]), best),
+            }
+        )
+    return rows
+
+
+def _default_measurement(job: dict, concurrency: int) -> tuple[dict, Tally]:
+    phase = next(p for p in job["phases"] if _key(p) == (0.0, concurrency, HELDOUT))
+    return phase, merged(_tallies(phase).values())
+
+
+def legacy_fields(drafter: dict, baseline: dict, untrained: dict | None, k: int, concurrency: int) -> dict:
+    """acceptance.json's top level as before: held-out, default draft length and concurrency, greedy."""
+    phase, tally = _default_measurement(drafter, concurrency)
+    base_phase, base = _default_measurement(baseline, concurrency)
+    with_speed, without_speed = (
+        _speed(tally.completion_tokens, phase["seconds"]),
+        _speed(base.completion_tokens, base_phase["seconds"]),
+    )
+    result = {
+        "acceptance_length": round(acceptance_length(tally), 4),
+        "max_acceptance_length": k + 1,
+        "acceptance_per_position": per_position(tally, k),
+        "tokens_per_s_with_drafter": with_speed,
+        "tokens_per_s_without_drafter": without_speed,
+        "speedup": _ratio(with_speed, without_speed),
+        "num_speculative_tokens": k,
+        "concurrency": concurrency,
+        "with_drafter": _measurement(tally, phase["seconds"], k),
+        "without_drafter": _measurement(base, base_phase["seconds"], 0),
+    }
+    if untrained is not None:
+        _, untrained_tally = _default_measurement(untrained, concurrency)
+        result["untrained_acceptance_length"] = round(acceptance_length(untrained_tally), 4)
+        result["untrained_acceptance_per_position"] = per_position(untrained_tally, k)
+    result["mla_disabled"] = drafter["mla_disabled"]
+    if drafter["mla_disabled"]:
+        result["mla_disabled_because"] = drafter["mla_disabled_because"]
+    return result
+
+
+def _measurement(tally: Tally, seconds: float, k: int) -> dict:
+    steps = sum(tally.histogram)
+    return {
+        "requests": tally.requests,
+        "completion_tokens": tally.completion_tokens,
+        "seconds": round(seconds, 3),
+        "drafts": steps,
+        "draft_tokens": tally.draft_tokens,
+        "accepted_tokens": sum(j * n for j, n in enumerate(tally.histogram)),
+        "accepted_per_position": [sum(tally.histogram[p + 1 :]) for p in range(k)],
+    }
+
+
+# --- the report ----------------------------------------------------------------------------
+
+
+def _sampling_name(value: float) -> str:
+    return "greedy" if value == 0 else f"T={value:g}"
+
+
+def plot_acceptance(result: dict, path: Path) -> None:
+    """Left: the held-out set per position, trained vs untrained. Right: every set and category
+    per position at the longest draft length."""
+    longest = max(row["num_speculative_tokens"] for row in result["results"])
+    rows = [
+        r
+        for r in result["results"]
+        if r["num_speculative_tokens"] == longest and r["concurrency"] == result["concurrency"]
+    ]
+    labels = [
+        f"{r['set']}{'' if r['category'] == WHOLE_SET else ' / ' + r['category']} · {_sampling_name(r['temperature'])}"
+        f"  (AL {r['acceptance_length']:.2f})"
+        for r in rows
+    ]
+    grid = [r["acceptance_per_position"] for r in rows]
+    figure, (left, right) = plt.subplots(
+        1, 2, figsize=(13, max(4, 0.4 * len(rows) + 1.5)), gridspec_kw={"width_ratios": [1, 1.4]}
+    )
+    positions = range(1, len(result["acceptance_per_position"]) + 1)
+    left.bar([p - 0.2 for p in positions], result["acceptance_per_position"], width=0.4, label="trained drafter")
+    if "untrained_acceptance_per_position" in result:
+        left.bar(
+            [p + 0.2 for p in positions],
+            result["untrained_acceptance_per_position"],
+            width=0.4,
+            label="untrained drafter",
+        )
+    left.set(
+        xlabel="draft position",
+        ylabel="acceptance rate",
+        ylim=(0, 1.05),
+        title=f"held-out, k={result['num_speculative_tokens']}: acceptance length "
+        f"{result['acceptance_length']:.2f} of {result['max_acceptance_length']}",
+    )
+    left.set_xticks(list(positions))
+    left.legend()
+    image = right.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+    right.set_yticks(range(len(labels)), labels, fontsize="small")
+    right.set_xticks(range(longest), [str(p + 1) for p in range(longest)])
+    right.set(xlabel="draft position", title=f"acceptance per set and category, k={longest}")
+    for y, values in enumerate(grid):
+        for x, value in enumerate(values):
+            right.text(x, y, f"{value:.2f}", ha="center", va="center", color="white" if value < 0.6 else "black")
+    figure.colorbar(image, ax=right, fraction=0.04)
+    _save(figure, path)
+
+
+def plot_speedup(result: dict, path: Path) -> None:
+    """Throughput over all sets against concurrency: speedup per draft length, and tokens/s."""
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    temperatures = sorted({r["temperature"] for r in result["recommendation"]})
+    lengths = sorted({int(k) for r in result["recommendation"] for k in r["tokens_per_s_by_draft_length"]})
+    for t_index, value in enumerate(temperatures):
+        rows = sorted(
+            (r for r in result["recommendation"] if r["temperature"] == value), key=lambda r: r["concurrency"]
+        )
+        x = [r["concurrency"] for r in rows]
+        style = "-o" if t_index == 0 else "--s"
+        for index, k in enumerate(lengths):
+            speeds = [r["tokens_per_s_by_draft_length"][str(k)] for r in rows]
+            name = f"k={k} {_sampling_name(value)}"
+            left.plot(
+                x,
+                [s / r["tokens_per_s_without_drafter"] for s, r in zip(speeds, rows, strict=True)],
+                style,
+                color=f"C{index}",
+                label=name,
+            )
+            right.plot(x, speeds, style, color=f"C{index}", label=name)
+        right.plot(
+            x,
+            [r["tokens_per_s_without_drafter"] for r in rows],
+            style,
+            color="black",
+            label=f"target alone {_sampling_name(value)}",
+        )
+    left.axhline(1.0, color="grey", linewidth=0.8)
+    for axis in (left, right):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("concurrency (requests in flight)")
+        axis.legend(fontsize="small")
+    left.set(ylabel="speedup over the target alone", title="speedup, all sets together")
+    right.set(ylabel="output tokens / s", title="throughput, all sets together")
+    _save(figure, path)
+
+
+def tables_html(result: dict) -> str:
+    """The recommendation and the per-set results, for the report."""
+    recommendation = [
+        [
+            r["concurrency"],
+            _sampling_name(r["temperature"]),
+            r["num_speculative_tokens"],
+            f"{r['speedup']:.2f}×" if r["speedup"] is not None else "",
+            r["tokens_per_s_with_drafter"],
+            r["tokens_per_s_without_drafter"],
+            json.dumps(r["speculative_config"]),
+        ]
+        for r in result["recommendation"]
+    ]
+    results = [
+        [
+            r["set"],
+            r["category"],
+            r["num_speculative_tokens"],
+            r["concurrency"],
+            _sampling_name(r["temperature"]),
+            r["requests"],
+            f"{r['acceptance_length']:.2f}",
+            " / ".join(f"{a:.2f}" for a in r["acceptance_per_position"]),
+            f"{r['speedup']:.2f}×" if r["speedup"] is not None else "",
+        ]
+        for r in result["results"]
+    ]
+    return (
+        "<html><head><meta charset='utf-8'><style>table{border-collapse:collapse;font:13px sans-serif}"
+        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}</style></head><body>"
+        "<h3>Recommended draft length per concurrency (best measured throughput, all sets together)</h3>"
+        f"<p>drafter_speculative_config.json holds the choice at concurrency {result['concurrency']}, greedy. "
+        "A speedup below 1× means the target alone is faster there.</p>"
+        + _table(
+            [
+                "concurrency",
+                "sampling",
+                "draft length",
+                "speedup",
+                "tok/s with",
+                "tok/s without",
+                "--speculative-config",
+            ],
+            recommendation,
+        )
+        + "<h3>Acceptance per set and category</h3><p>Category speedups compare per-request speeds.</p>"
+        + _table(
+            [
+                "set",
+                "category",
+                "k",
+                "concurrency",
+                "sampling",
+                "requests",
+                "acceptance length",
+                "per position",
+                "speedup",
+            ],
+            results,
+        )
+        + "</body></html>\n"
+    )
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _save(figure, output: Path) -> None:
+    output.parent.mkdir(parents=True, exist_ok=True)
+    figure.tight_layout()
+    figure.savefig(output, dpi=110)
+    plt.close(figure)
+
+
+# --- the stage -----------------------------------------------------------------------------
+
+
+def summarize(settings: dict, baseline: dict, drafters: dict[int, dict], untrained: dict | None) -> dict:
+    k, concurrency = draft_lengths(settings)[0], concurrencies(settings)[0]
+    result = legacy_fields(drafters[k], baseline, untrained, k, concurrency)
+    result["results"] = [row for length in sorted(drafters) for row in result_rows(drafters[length], baseline)]
+    result["recommendation"] = recommend(drafters, baseline)
+    return result
+
+
+def run(
+    settings: dict,
+    baseline: Path,
+    drafter_jobs: list[Path],
+    untrained: Path | None,
+    outputs: dict[str, Path],
+) -> dict:
+    jobs = [json.loads(path.read_text()) for path in drafter_jobs]
+    drafters = {job["num_speculative_tokens"]: job for job in jobs}
+    untrained_job = json.loads(untrained.read_text()) if untrained else None
+    result = summarize(settings, json.loads(baseline.read_text()), drafters, untrained_job)
+    chosen = next(
+        r for r in result["recommendation"] if r["temperature"] == 0.0 and r["concurrency"] == result["concurrency"]
+    )
+    plot_acceptance(result, outputs["acceptance_plot"])
+    plot_speedup(result, outputs["speedup_plot"])
+    atomic_write_text(outputs["tables"], tables_html(result))
+    atomic_write_text(outputs["spec_config"], json.dumps(chosen["speculative_config"]) + "\n")
+    atomic_write_text(outputs["acceptance"], json.dumps(result, indent=2) + "\n")
+    log(
+        f"held-out, k={result['num_speculative_tokens']}: acceptance length {result['acceptance_length']} "
+        f"(per position {result['acceptance_per_position']})"
+    )
+    for row in result["recommendation"]:
+        log(
+            f"concurrency {row['concurrency']}, {_sampling_name(row['temperature'])}: best draft length "
+            f"{row['num_speculative_tokens']} ({row['speedup']}× the target alone)"
+        )
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--settings", required=True, help=SETTINGS_HELP)
+    parser.add_argument("--baseline", required=True, type=Path)
+    parser.add_argument("--drafter-jobs", required=True, nargs="+", type=Path)
+    parser.add_argument("--untrained", type=Path, default=None)
+    for name in ("acceptance", "spec-config", "acceptance-plot", "speedup-plot", "tables"):
+        parser.add_argument(f"--{name}", required=True, type=Path)
+    args = parser.parse_args(argv)
+    outputs = {
+        "acceptance": args.acceptance,
+        "spec_config": args.spec_config,
+        "acceptance_plot": args.acceptance_plot,
+        "speedup_plot": args.speedup_plot,
+        "tables": args.tables,
+    }
+    run(
+        read_settings(args.settings, "evaluate"),
+        args.baseline,
+        args.drafter_jobs,
+        args.untrained,
+        args.drafter,
+        outputs,
+    )
+
+
+if __name__ == "__main__":
+    from draftsmith.cli import run_main
+
+    run_main(main)
