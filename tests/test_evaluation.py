@@ -216,7 +216,7 @@ def demo() -> dict:
 
 def test_the_sweep_settings_accept_one_value_or_a_list():
     config = demo()
-    assert draft_lengths(config) == [3, 1, 2] and concurrencies(config) == [8, 1]
+    assert draft_lengths(config) == [3, 1] and concurrencies(config) == [8, 2]
     assert evaluation_samplings(config) == [{"temperature": 0.0}, {"temperature": 0.7, "top_p": 1.0, "seed": 0}]
     config["evaluation"].update(num_speculative_tokens=4, concurrency=2, sampled=False)
     assert draft_lengths(config) == [4] and concurrencies(config) == [2]
@@ -227,7 +227,7 @@ def test_a_draft_length_is_not_a_setting_of_the_measurement_jobs():
     """Adding a draft length must leave the finished jobs' params as they are."""
     config = demo()
     longer = demo()
-    longer["evaluation"]["num_speculative_tokens"] = [3, 1, 2, 4]
+    longer["evaluation"]["num_speculative_tokens"] = [3, 1, 2]
     for rule in ("evaluation_sets", "evaluate_baseline", "evaluate_drafter", "evaluate_untrained"):
         assert tracked_settings(config, rule) == tracked_settings(longer, rule), rule
     assert tracked_settings(config, "evaluate") != tracked_settings(longer, "evaluate")

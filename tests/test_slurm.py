@@ -24,7 +24,7 @@ from conftest import copy_workflow
 ROOT = Path(__file__).resolve().parents[1]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 PROFILE = ["--workflow-profile", "slurm-cpu"]
-SHARDED = {"generate": 2, "extract": 2, "evaluate_drafter": 3}  # the demo config's shards and draft lengths
+SHARDED = {"generate": 2, "extract": 2, "evaluate_drafter": 2}  # the demo config's shards and draft lengths
 ONE_JOB = {"demo_model", "dataset", "train", "untrained_drafter", "evaluate_baseline", "evaluate_untrained"}
 LOCAL = {
     "questions",

@@ -97,7 +97,7 @@ def test_the_sweep_measures_every_set_category_draft_length_concurrency_and_samp
         ("words", "repeat"),
     }
     assert {(r["num_speculative_tokens"], r["concurrency"], r["temperature"]) for r in rows} == {
-        (k, c, t) for k in (1, 2, 3) for c in (8, 1) for t in (0.0, 0.7)
+        (k, c, t) for k in (3, 1) for c in (8, 2) for t in (0.0, 0.7)
     }
     assert all(len(r["acceptance_per_position"]) == r["num_speculative_tokens"] for r in rows)
     # The table's choice at the first concurrency, greedy, is the serving config.
@@ -225,10 +225,10 @@ MATRIX = [
     ("training.seed", 1),
     ("training.stall_timeout_s", 100),
     ("training.extra_args", ["--log-freq", "5"]),
-    ("evaluation.num_speculative_tokens", [3, 1, 2, 4]),  # one more draft length
-    ("evaluation.num_speculative_tokens", [2, 1, 3]),  # another default: the untrained job's length
+    ("evaluation.num_speculative_tokens", [3, 1, 2]),  # one more draft length
+    ("evaluation.num_speculative_tokens", [1, 3]),  # another default: the untrained job's length
     ("evaluation.max_tokens", 32),
-    ("evaluation.concurrency", [8, 1, 4]),
+    ("evaluation.concurrency", [8, 2, 4]),
     ("evaluation.sampled", False),
     ("evaluation.compare_untrained", False),
     ("evaluation.limit", 10),
@@ -292,7 +292,7 @@ def test_each_key_changed_alone_plans_exactly_what_the_table_says(demo_run):
     assert wrong == {}, json.dumps(wrong, indent=1)
     # The scenarios that wasted whole stages before, spelled out. A new draft length is one
     # job (and the summary), the other lengths and the baseline stay.
-    assert planned["evaluation.num_speculative_tokens=[3, 1, 2, 4]"] == {
+    assert planned["evaluation.num_speculative_tokens=[3, 1, 2]"] == {
         "evaluate_drafter": 1,
         "evaluate": 1,
         "plan_snapshot": 1,
@@ -357,7 +357,6 @@ def test_every_heavy_job_leaves_a_benchmark_record(demo_run):
         "demo_model.tsv",
         "evaluate/baseline.tsv",
         "evaluate/drafter_k1.tsv",
-        "evaluate/drafter_k2.tsv",
         "evaluate/drafter_k3.tsv",
         "evaluate/untrained_k3.tsv",
         "extract/shard_0.tsv",

@@ -42,7 +42,7 @@ from draftsmith.plan import read_target_config
 from draftsmith.progress import Progress, log
 from draftsmith.server import Endpoint, ServerSpec, import_in_background, managed_server
 from draftsmith.serving import EvaluationAttention, evaluation_attention
-from draftsmith.settings import draft_lengths, lookup
+from draftsmith.settings import concurrencies, draft_lengths, lookup
 from draftsmith.slot import check_gpu_slot
 
 SPEC_METRIC_PREFIX = "vllm:spec_decode_num_"
@@ -140,6 +140,12 @@ async def run_phase(endpoint: Endpoint, prompts: list[dict], phase: Phase, evalu
         started = time.monotonic()
         await asyncio.gather(*(answer(prompt) for prompt in prompts))
         phase.seconds = time.monotonic() - started
+    whole = merged(phase.categories.values())
+    log(
+        f"{progress.label}: {whole.completion_tokens} tokens in {phase.seconds:.1f}s "
+        f"({whole.completion_tokens / phase.seconds if phase.seconds else 0:.1f} tok/s)"
+        + (f", acceptance length {acceptance_length(whole):.2f}" if whole.histogram else "")
+    )
 
 
 def sampling_label(sampling: dict) -> str:
@@ -147,7 +153,12 @@ def sampling_label(sampling: dict) -> str:
 
 
 def measure(
-    settings: dict, prompts: list[dict], drafter: Path | None, k: int | None, attention: EvaluationAttention
+    settings: dict,
+    prompts: list[dict],
+    drafter: Path | None,
+    k: int | None,
+    attention: EvaluationAttention,
+    default_only: bool = False,
 ) -> dict:
     """Every phase on one server: the target alone, or with ``drafter`` at draft length ``k``."""
     evaluation = settings["evaluation"]
@@ -161,12 +172,10 @@ def measure(
     by_set: dict[str, list[dict]] = defaultdict(list)
     for prompt in prompts:
         by_set[prompt["set"]].append(prompt)
-    phases = [
-        Phase(name, concurrency, sampling)
-        for sampling in lookup(settings, "evaluation.samplings")
-        for concurrency in evaluation["concurrency"]
-        for name in by_set
-    ]
+    samplings, levels = lookup(settings, "evaluation.samplings"), concurrencies(settings)
+    if default_only:  # the untrained drafter only proves the wiring: greedy, at the default concurrency
+        samplings, levels = samplings[:1], levels[:1]
+    phases = [Phase(name, concurrency, sampling) for sampling in samplings for concurrency in levels for name in by_set]
     import_in_background(SPECULATORS_CLIENT)
     with managed_server(spec) as endpoint:
 
@@ -180,13 +189,6 @@ def measure(
         counters = spec_decode_counters(read_metrics(endpoint))
     if drafter is not None:
         check_against_server(phases, counters, drafter)
-    for phase in phases:
-        tokens = sum(t.completion_tokens for t in phase.categories.values())
-        log(
-            f"{label}, {sampling_label(phase.sampling)}, concurrency {phase.concurrency}, set {phase.set}: "
-            f"{tokens} tokens in {phase.seconds:.1f}s ({tokens / phase.seconds if phase.seconds else 0:.1f} tok/s)"
-            + (f", acceptance length {acceptance_length(merged(phase.categories.values())):.2f}" if drafter else "")
-        )
     return {
         "drafter": str(drafter) if drafter else None,
         "num_speculative_tokens": k,
@@ -252,7 +254,13 @@ def speculative_config(drafter: Path, num_speculative_tokens: int) -> dict:
 
 
 def run(
-    settings: dict, prompts_path: Path, drafter: Path | None, k: int | None, output: Path, granted_gpus: int | None
+    settings: dict,
+    prompts_path: Path,
+    drafter: Path | None,
+    k: int | None,
+    output: Path,
+    granted_gpus: int | None,
+    default_only: bool = False,
 ) -> dict:
     check_gpu_slot(settings, granted_gpus)
     if drafter is not None and k not in draft_lengths(settings):
@@ -263,7 +271,7 @@ def run(
     if attention.mla_disabled:
         log(attention.reason)
     log(f"evaluating on {len(prompts)} prompts in {len({p['set'] for p in prompts})} set(s)")
-    result = measure(settings, prompts, drafter, k, attention)
+    result = measure(settings, prompts, drafter, k, attention, default_only)
     atomic_write_text(output, json.dumps(result, indent=2) + "\n")
     return result
 
@@ -277,9 +285,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=None)
     parser.add_argument("--output", required=True, type=Path)
     parser.add_argument("--granted-gpus", type=int, default=None)
+    parser.add_argument(
+        "--default-only", action="store_true", help="greedy at the first concurrency only (the untrained drafter)"
+    )
     args = parser.parse_args(argv)
     settings = read_settings(args.settings, args.stage)
-    run(settings, args.prompts, args.drafter, args.num_speculative_tokens, args.output, args.granted_gpus)
+    run(
+        settings,
+        args.prompts,
+        args.drafter,
+        args.num_speculative_tokens,
+        args.output,
+        args.granted_gpus,
+        args.default_only,
+    )
 
 
 if __name__ == "__main__":

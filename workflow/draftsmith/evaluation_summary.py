@@ -294,8 +294,11 @@ def plot_speedup(result: dict, path: Path) -> None:
             label=f"target alone {_sampling_name(value)}",
         )
     left.axhline(1.0, color="grey", linewidth=0.8)
+    measured = sorted({r["concurrency"] for r in result["recommendation"]})
     for axis in (left, right):
         axis.set_xscale("log", base=2)
+        axis.set_xticks(measured, [str(c) for c in measured])
+        axis.minorticks_off()
         axis.set_xlabel("concurrency (requests in flight)")
         axis.legend(fontsize="small")
     left.set(ylabel="speedup over the target alone", title="speedup, all sets together")
@@ -444,7 +447,6 @@ def main(argv: list[str] | None = None) -> None:
         args.baseline,
         args.drafter_jobs,
         args.untrained,
-        args.drafter,
         outputs,
     )
 

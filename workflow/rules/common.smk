@@ -63,6 +63,12 @@ def evaluation_set_inputs():
     return [source for source in sources if is_local_source(source)]
 
 
+def measurement_threads():
+    """A throughput measurement runs alone: on a CPU host it takes every core, so no other
+    job shares them (on GPUs the slot already keeps measurements apart)."""
+    return workflow.cores if config["device"] == "cpu" else 1
+
+
 def drafter_measurements():
     return [path(LAYOUT.drafter_measurement(k)) for k in draft_lengths(config)]
 

@@ -31,6 +31,7 @@ rule evaluate_baseline:
         benchmark_path("evaluate/baseline")
     conda:
         CONDA_ENV
+    threads: measurement_threads()
     resources:
         gpu=config["gpu_slot"],
     params:
@@ -58,19 +59,22 @@ rule evaluate_drafter:
         k=r"\d+",
     conda:
         CONDA_ENV
+    threads: measurement_threads()
     resources:
         gpu=config["gpu_slot"],
     params:
         tracked=tracked("evaluate_drafter"),
         config=RUN_CONFIG,
         stage="evaluate_drafter",
+        phases="",
     shell:
-        "python -m draftsmith.evaluate --settings {params.config:q} --stage {params.stage}"
+        "python -m draftsmith.evaluate --settings {params.config:q} --stage {params.stage} {params.phases}"
         " --prompts {input.prompts:q} --drafter {input.drafter:q} --num-speculative-tokens {wildcards.k}"
         " --output {output:q} --granted-gpus {resources.gpu} > {log:q} 2>&1"
 
 
-# The wiring proof: the same drafter shape, never trained, at the default draft length.
+# The wiring proof: the same drafter shape, never trained, at the default draft length,
+# greedy and at the default concurrency only.
 use rule evaluate_drafter as evaluate_untrained with:
     input:
         prompts=path(LAYOUT.evaluation_prompts),
@@ -86,6 +90,7 @@ use rule evaluate_drafter as evaluate_untrained with:
         tracked=tracked("evaluate_untrained"),
         config=RUN_CONFIG,
         stage="evaluate_untrained",
+        phases="--default-only",
 
 
 rule evaluate:
