@@ -216,7 +216,7 @@ def demo() -> dict:
 
 def test_the_sweep_settings_accept_one_value_or_a_list():
     config = demo()
-    assert draft_lengths(config) == [3, 1] and concurrencies(config) == [8, 2]
+    assert draft_lengths(config) == [3, 1] and concurrencies(config) == [8, 4]
     assert evaluation_samplings(config) == [{"temperature": 0.0}, {"temperature": 0.7, "top_p": 1.0, "seed": 0}]
     config["evaluation"].update(num_speculative_tokens=4, concurrency=2, sampled=False)
     assert draft_lengths(config) == [4] and concurrencies(config) == [2]

@@ -156,7 +156,7 @@ def test_the_trainer_process_count_is_tracked_not_the_slot_itself():
 
 def test_a_stage_sees_only_what_its_rule_declares():
     view = stage_view(demo_config(), "evaluate_baseline")
-    assert view["evaluation"]["concurrency"] == [8, 2]
+    assert view["evaluation"]["concurrency"] == [8, 4]
     assert view["server"]["extra_args"]  # a derived setting brings its key
     assert list(view["generation"]) == ["sampling"]  # through evaluation.samplings
     with pytest.raises(KeyError):
