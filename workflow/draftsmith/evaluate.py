@@ -95,7 +95,7 @@ class Phase:
 
 def spec_decode_counters(metrics_text: str) -> dict[str, Any]:
     """Sum vLLM's spec-decode counters (over engines/labels) from a /metrics page."""
-    totals: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "per_position": {}}
+    totals: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
     names = {
         f"{SPEC_METRIC_PREFIX}drafts_total": "drafts",
         f"{SPEC_METRIC_PREFIX}draft_tokens_total": "draft_tokens",
@@ -105,9 +105,6 @@ def spec_decode_counters(metrics_text: str) -> dict[str, Any]:
         for sample in family.samples:
             if sample.name in names:
                 totals[names[sample.name]] += int(sample.value)
-            elif sample.name == f"{SPEC_METRIC_PREFIX}accepted_tokens_per_pos_total":
-                position = int(sample.labels["position"])
-                totals["per_position"][position] = totals["per_position"].get(position, 0) + int(sample.value)
     return totals
 
 
@@ -202,7 +199,7 @@ def measure(
             }
             for phase in phases
         ],
-        "server_counters": {key: value for key, value in counters.items() if key != "per_position"},
+        "server_counters": counters,
         "mla_disabled": attention.mla_disabled,
         **({"mla_disabled_because": attention.reason} if attention.mla_disabled else {}),
     }

@@ -39,10 +39,15 @@ ALL_SETS = "all sets"
 WHOLE_SET = "*"
 
 
+def accepted_at_positions(tally: Tally, k: int) -> list[int]:
+    """Steps that accepted a token at each draft position: those that accepted more than p."""
+    return [sum(tally.histogram[p + 1 :]) for p in range(k)]
+
+
 def per_position(tally: Tally, k: int) -> list[float]:
-    """Acceptance at each draft position: steps that accepted more than p tokens / steps."""
+    """Acceptance at each draft position: accepted there / steps."""
     steps = sum(tally.histogram)
-    return [round(sum(tally.histogram[p + 1 :]) / steps, 4) if steps else 0.0 for p in range(k)]
+    return [round(n / steps, 4) if steps else 0.0 for n in accepted_at_positions(tally, k)]
 
 
 def temperature(sampling: dict) -> float:
@@ -206,7 +211,7 @@ def _measurement(tally: Tally, seconds: float, k: int) -> dict:
         "drafts": steps,
         "draft_tokens": tally.draft_tokens,
         "accepted_tokens": sum(j * n for j, n in enumerate(tally.histogram)),
-        "accepted_per_position": [sum(tally.histogram[p + 1 :]) for p in range(k)],
+        "accepted_per_position": accepted_at_positions(tally, k),
     }
 
 
