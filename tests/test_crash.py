@@ -34,7 +34,14 @@ def records(workdir: Path) -> int:
 def run_until(workdir: Path, condition, timeout: float = 900, stop: int = signal.SIGKILL) -> None:
     """Start the workflow and send `stop` to its whole process group once `condition()` holds."""
     process = subprocess.Popen(
-        RUN, cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        RUN,
+        cwd=workdir,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        # SIGINT as a terminal's foreground job has it, even when this suite runs under
+        # `nohup ... &` (which starts it ignored).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + timeout
     while not condition():
@@ -49,7 +56,7 @@ def run_until(workdir: Path, condition, timeout: float = 900, stop: int = signal
     assert heavy_processes_after(20) == []
 
 
-def small_workflow(workdir: Path, questions: int) -> Path:
+def small_workflow(workdir: Path, questions: int, target: Path) -> Path:
     copy_workflow(workdir)
     config = yaml.safe_load((workdir / "config/config.yaml").read_text())
     # Small and quick: the tests are about resuming, not about the drafter's quality.
@@ -58,14 +65,15 @@ def small_workflow(workdir: Path, questions: int) -> Path:
     config["evaluation"].update(
         compare_untrained=False, num_speculative_tokens=3, concurrency=8, sampled=False, sets={}
     )
-    config["target"]["demo_train_steps"] = 150
+    # The suite's demo target, built once: building one per test cost two minutes each.
+    config["target"].update(model=str(target), build_demo=False)
     (workdir / "config/config.yaml").write_text(yaml.safe_dump(config))
     return workdir
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return small_workflow(tmp_path_factory.mktemp("crash"), questions=400)
+def workdir(tmp_path_factory, demo_target):
+    return small_workflow(tmp_path_factory.mktemp("crash"), questions=400, target=demo_target)
 
 
 def rerun_after_kill(workdir: Path) -> None:
@@ -139,11 +147,11 @@ def test_kill_anywhere_then_rerun_completes_without_redoing_work(workdir, tmp_pa
     assert json.loads((workdir / "results/eval/acceptance.json").read_text())["acceptance_length"] > 1.0
 
 
-def test_ctrl_c_stops_jobs_and_servers_and_the_same_command_resumes(tmp_path):
+def test_ctrl_c_stops_jobs_and_servers_and_the_same_command_resumes(tmp_path, demo_target):
     """Ctrl-C in a terminal: SIGINT to the whole foreground group. Each stage stops its own
     server (in its own session, so the terminal's SIGINT does not reach it); Snakemake
     exits and releases its lock; the same command asks only for the questions not answered."""
-    workdir = small_workflow(tmp_path / "ctrl_c", questions=240)
+    workdir = small_workflow(tmp_path / "ctrl_c", questions=240, target=demo_target)
     run_until(workdir, lambda: records(workdir) >= 30, stop=signal.SIGINT)  # asserts nothing is left
     answered_before = records(workdir)
     targets = [f"results/completions/shard_{shard}.jsonl" for shard in (0, 1)]

@@ -39,16 +39,8 @@ def test_the_target_is_the_production_architecture(deepseek_run):
 
 def test_the_trained_drafter_reaches_the_acceptance_goal(deepseek_run):
     result = json.loads((deepseek_run / "eval/acceptance.json").read_text())
-    print(
-        json.dumps(
-            {
-                key: result[key]
-                for key in ("acceptance_length", "acceptance_per_position", "untrained_acceptance_length", "speedup")
-            }
-        )
-    )
+    print(json.dumps({key: result[key] for key in ("acceptance_length", "acceptance_per_position", "speedup")}))
     assert result["acceptance_length"] >= 2.5, result
-    assert result["untrained_acceptance_length"] < 1.5, result
     # On a CPU the evaluation serves this MLA target with MLA disabled, and says why.
     assert result["mla_disabled"] is True
     assert "CPU_MLA" in result["mla_disabled_because"]

@@ -74,3 +74,27 @@ def test_the_suite_counts_only_processes_of_its_own_session():
         for process in (ours, other):
             process.kill()
             process.wait()
+
+
+WATCHED_JOB = """
+import subprocess, sys, time
+from draftsmith.server import DeathWatch
+server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"])
+watch = DeathWatch(server)
+try:
+    time.sleep(60)  # the stage's work on a server that dies after a second
+except KeyboardInterrupt:
+    sys.exit(3 if watch.died else 4)
+"""
+
+
+def test_the_death_watch_interrupts_a_job_started_with_sigint_ignored():
+    """`nohup snakemake ... &` starts jobs with SIGINT ignored; the watch still interrupts."""
+    job = subprocess.run(
+        [sys.executable, "-c", WATCHED_JOB],
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert job.returncode == 3, job.stderr[-2000:]

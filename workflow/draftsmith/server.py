@@ -205,6 +205,12 @@ class DeathWatch:
         self.process = process
         self.expected = False
         self.died = False
+        # `nohup snakemake ... &` starts every job with SIGINT ignored (a shell's background
+        # jobs are), and then the watch's SIGINT would be lost: the stage would retry on a
+        # dead server for an hour. Restore Python's handler; the watch is made in the main thread.
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        if in_main_thread and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         threading.Thread(target=self._watch, name="server-death-watch", daemon=True).start()
 
     def _watch(self) -> None:
