@@ -217,7 +217,6 @@ def demo() -> dict:
 def test_the_sweep_settings_accept_one_value_or_a_list():
     config = demo()
     assert draft_lengths(config) == [3, 1] and concurrencies(config) == [8, 4]
-    config["evaluation"]["sampled"] = True
     assert evaluation_samplings(config) == [{"temperature": 0.0}, {"temperature": 0.7, "top_p": 1.0, "seed": 0}]
     config["evaluation"].update(num_speculative_tokens=4, concurrency=2, sampled=False)
     assert draft_lengths(config) == [4] and concurrencies(config) == [2]
@@ -234,7 +233,6 @@ def test_a_draft_length_is_not_a_setting_of_the_measurement_jobs():
     assert tracked_settings(config, "evaluate") != tracked_settings(longer, "evaluate")
     # The generation's sampling is measured only when evaluation.sampled says so.
     hotter = demo()
-    hotter["evaluation"]["sampled"] = config["evaluation"]["sampled"] = True
     hotter["generation"]["sampling"]["temperature"] = 0.9
     assert tracked_settings(config, "evaluate_drafter") != tracked_settings(hotter, "evaluate_drafter")
     hotter["evaluation"]["sampled"] = config["evaluation"]["sampled"] = False

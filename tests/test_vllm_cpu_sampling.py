@@ -6,12 +6,19 @@ mechanism in seconds."""
 
 from __future__ import annotations
 
+from importlib.metadata import entry_points
+
 import pytest
 import torch
 
 from draftsmith import vllm_cpu_sampling
 
 pytestmark = pytest.mark.vllm
+
+
+def test_vllm_finds_the_plugin_through_the_installed_entry_point():
+    plugins = {entry.name: entry.value for entry in entry_points(group="vllm.general_plugins")}
+    assert plugins.get("draftsmith_cpu_sampling") == "draftsmith.vllm_cpu_sampling:register"
 
 
 def test_the_sampler_expands_float_temperatures_per_request():
