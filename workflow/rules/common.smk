@@ -1,6 +1,8 @@
 # Paths, tracked settings and input functions shared by the rule files.
 import shlex
 
+from snakemake.exceptions import WorkflowError
+
 from draftsmith.layout import Layout
 from draftsmith.questions import is_local_source
 from draftsmith.settings import draft_lengths, dumps, tracked_settings
@@ -63,10 +65,19 @@ def evaluation_set_inputs():
     return [source for source in sources if is_local_source(source)]
 
 
+def every_core():
+    """All the cores Snakemake may use here. A cluster executor (SLURM) has none: each job
+    asks for its own cpus_per_task, and asking Snakemake would fail the parse."""
+    try:
+        return workflow.cores
+    except WorkflowError:
+        return 1
+
+
 def measurement_threads():
     """A throughput measurement runs alone: on a CPU host it takes every core, so no other
     job shares them (on GPUs the slot already keeps measurements apart)."""
-    return workflow.cores if config["device"] == "cpu" else 1
+    return every_core() if config["device"] == "cpu" else 1
 
 
 def drafter_measurements():

@@ -11,7 +11,7 @@ if config["target"]["build_demo"]:
             CONDA_ENV
         # torch trains on every core; without this Snakemake sets OMP_NUM_THREADS=1 and the
         # build took twice as long (DeepSeek target: 718 s for 600 steps on 2 cores).
-        threads: workflow.cores
+        threads: every_core()
         params:
             tracked=tracked("demo_model"),
             steps=config["target"]["demo_train_steps"],
