@@ -369,12 +369,14 @@ def assert_moe_parity(model_path: Path, output: Path) -> list[tuple[float, float
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+# TP=2 only: TP=1 on this architecture runs in tests/test_deepseek.py, where a wrong layer
+# or rotation shows as a drafter that does not learn (and a server load costs CI a minute).
+@pytest.mark.parametrize("tensor_parallel_size", [2])
 def test_parity_on_the_deepseek_architecture(
     tiny_deepseek: Path, dataset_dir: Path, tmp_path: Path, tensor_parallel_size: int
 ) -> None:
-    """MLA + MoE at TP=1 and TP=2 (one core per rank): the stored layers match HF within the
-    bf16 floor of this architecture, and the neighbouring layer and the post-norm state do not.
+    """MLA + MoE at TP=2 (one core per rank): the stored layers match HF within the bf16
+    floor of this architecture, and the neighbouring layer and the post-norm state do not.
     Every position counts: vLLM's CPU rotary kernel once rotated DeepSeek's queries by the
     wrong positions (draftsmith.vllm_cpu_rope), and only position 0 matched."""
     settings = settings_for(tiny_deepseek, tensor_parallel_size=tensor_parallel_size)
