@@ -208,16 +208,6 @@ def test_parity_tp1(tiny_model: Path, extracted_tp1) -> None:
 
 
 @pytest.mark.vllm
-def test_parity_tp2_through_cli(tiny_model: Path, dataset_dir: Path, tmp_path: Path) -> None:
-    started = time.monotonic()
-    completed = run_cli(settings_for(tiny_model, tensor_parallel_size=2), dataset_dir, tmp_path)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    print(f"TP=2 extraction (CLI) took {time.monotonic() - started:.0f}s")
-    worst_relative, worst_absolute = assert_parity(tiny_model, tmp_path / "out")
-    print(f"TP=2 worst relative / absolute error {worst_relative:.4f} / {worst_absolute:.4f}")
-
-
-@pytest.mark.vllm
 def test_resume_requests_only_missing_rows(
     tiny_model: Path, dataset_dir: Path, extracted_tp1, tmp_path: Path, capfd
 ) -> None:
