@@ -2,15 +2,20 @@
 
 Needs sbatch on PATH, a controller that answers (`sudo tests/slurm/setup_cluster.sh` starts
 two nodes on this host) and the plugin (tests/slurm/run_slurm_test.sh sets both up); skipped otherwise.
-One run of the shipped demo config with profiles/slurm-cpu on a copy of the workflow
-(2 generation and 2 extraction shards), then: every heavy job, each shard included, was its
-own SLURM job and SLURM recorded it as completed, the cheap rules stayed on the submit host,
-the question ids are those of a local run of the questions stage, the drafter reaches the
-demo's acceptance goal, and a rerun has nothing to do.
+One run with profiles/slurm-cpu on a copy of the workflow: the demo config made small (the
+suite's demo target, 160 questions, 2 generation and 2 extraction shards, 3 epochs, one
+draft length), since the drafter's quality is test_workflow.py's concern. Then: every
+heavy job, each shard included, was its own SLURM job and SLURM recorded it as completed,
+the cheap rules stayed on the submit host, the question ids are those of a local run of the
+questions stage, the drafter was served and drafted, and a rerun has nothing to do.
+
+CI (.ci/run) starts the one-host cluster and installs the plugin's overlay (`make
+slurm-site`); the overlay goes on PYTHONPATH of this test's Snakemake runs only, since its
+numpy is not the one the rest of the suite runs with.
 """
 
-import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -19,13 +24,15 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import copy_workflow
 
 ROOT = Path(__file__).resolve().parents[1]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 PROFILE = ["--workflow-profile", "slurm-cpu"]
-SHARDED = {"generate": 2, "extract": 2, "evaluate_drafter": 2}  # the demo config's shards and draft lengths
-ONE_JOB = {"demo_model", "dataset", "train", "untrained_drafter", "evaluate_baseline", "evaluate_untrained"}
+SLURM_SITE = ROOT / ".slurm-site"  # `make slurm-site`
+SHARDED = {"generate": 2, "extract": 2}  # the demo config's shards
+ONE_JOB = {"dataset", "train", "evaluate_baseline", "evaluate_drafter"}
 LOCAL = {
     "questions",
     "training_view",
@@ -43,8 +50,8 @@ def _unavailable() -> str | None:
     """Why this machine cannot run the test, or None."""
     if shutil.which("sbatch") is None:
         return "no SLURM here (sbatch not on PATH); start one with: sudo tests/slurm/setup_cluster.sh"
-    if importlib.util.find_spec("snakemake_executor_plugin_slurm") is None:
-        return "the SLURM executor plugin is not installed: run tests/slurm/run_slurm_test.sh (docs/cluster.md)"
+    if not (SLURM_SITE / "snakemake_executor_plugin_slurm").is_dir():
+        return "the SLURM executor plugin's overlay is missing: run `make slurm-site` (docs/cluster.md)"
     try:
         nodes = subprocess.run(
             ["sinfo", "--noheader", "--Node", "--format=%t"], capture_output=True, text=True, timeout=20
@@ -64,7 +71,22 @@ pytestmark = [pytest.mark.slurm, pytest.mark.e2e, pytest.mark.skipif(UNAVAILABLE
 
 
 def snakemake(workdir: Path, *args: str, timeout: int = 3600) -> subprocess.CompletedProcess:
-    return subprocess.run([*SNAKEMAKE, *args], cwd=workdir, capture_output=True, text=True, timeout=timeout)
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(SLURM_SITE), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([*SNAKEMAKE, *args], cwd=workdir, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def small_demo(workdir: Path, target: Path) -> Path:
+    """The demo config, small: the SLURM wiring, not the drafter's quality, is under test."""
+    copy_workflow(workdir)
+    config = yaml.safe_load((workdir / "config/config.yaml").read_text())
+    config["target"].update(model=str(target), build_demo=False)  # the suite's, built once
+    config["questions"].update(limit=160, heldout=20)
+    config["training"]["epochs"] = 3
+    config["evaluation"].update(
+        num_speculative_tokens=3, concurrency=8, sampled=False, compare_untrained=False, sets={}
+    )
+    (workdir / "config/config.yaml").write_text(yaml.safe_dump(config))
+    return workdir
 
 
 def slurm_config() -> dict[str, str]:
@@ -100,10 +122,10 @@ def slurm_records(job_ids: list[str]) -> dict[str, dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def slurm_run(tmp_path_factory):
-    """The demo on SLURM. The workdir lives under the pytest temp dir: on one host that is
-    the shared filesystem; on a real cluster point --basetemp at a shared directory."""
-    workdir = copy_workflow(tmp_path_factory.mktemp("slurm_demo"))
+def slurm_run(tmp_path_factory, demo_target):
+    """The small demo on SLURM. The workdir lives under the pytest temp dir: on one host that
+    is the shared filesystem; on a real cluster point --basetemp at a shared directory."""
+    workdir = small_demo(tmp_path_factory.mktemp("slurm_demo"), demo_target)
     started = time.monotonic()
     run = snakemake(workdir, *PROFILE)
     elapsed = time.monotonic() - started
@@ -128,9 +150,9 @@ def submitted(slurm_run) -> dict[str, list[tuple[str, str]]]:
 
 
 @pytest.fixture(scope="module")
-def local_questions(tmp_path_factory) -> Path:
+def local_questions(tmp_path_factory, demo_target) -> Path:
     """The questions stage of the same config, run locally (ids are deterministic)."""
-    workdir = copy_workflow(tmp_path_factory.mktemp("local_questions"))
+    workdir = small_demo(tmp_path_factory.mktemp("local_questions"), demo_target)
     run = snakemake(workdir, "results/questions/summary.json", "--cores", "1", timeout=600)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     return workdir / "results/questions"
@@ -188,16 +210,15 @@ def test_the_same_questions_as_a_local_run(slurm_run, local_questions):
     assert len(list((results / "hidden_states/all").glob("hs_*.safetensors"))) == len(row_ids)
 
 
-def test_acceptance_is_that_of_the_local_demo(slurm_run):
-    """The local demo's goals (tests/test_workflow.py); generation is sampled, so the number
-    moves a little between runs, local or not."""
+def test_the_drafter_was_served_and_drafted(slurm_run):
+    """vLLM served the drafter the SLURM job trained, and accepted some of its tokens (the
+    acceptance goal itself is test_workflow.py's, on the full demo)."""
     workdir, _ = slurm_run
     result = json.loads((workdir / "results/eval/acceptance.json").read_text())
-    print(
-        f"\nacceptance length {result['acceptance_length']:.2f}, untrained {result['untrained_acceptance_length']:.2f}"
-    )
-    assert result["acceptance_length"] >= 2.5, result
-    assert result["acceptance_length"] > result["untrained_acceptance_length"] + 1.0, result
+    print(f"\nacceptance length {result['acceptance_length']:.2f} (3 epochs on {160 - 20} questions)")
+    assert result["acceptance_length"] > 1.0, result
+    served = json.loads((workdir / "results/drafter_speculative_config.json").read_text())
+    assert Path(served["model"]) == (workdir / "results/drafter").resolve()
 
 
 def test_rerun_has_nothing_to_do(slurm_run):

@@ -1,24 +1,32 @@
 """The demo DAG end to end through Snakemake, on a copy of the workflow (the slowest test).
 
-One real run of the shipped demo config (real vLLM CPU build, real speculators), then:
-the wiring proof (trained drafter vs untrained), nothing left to do on a rerun, the
+One real run of the shipped demo config (real vLLM CPU build, real speculators), stopped the
+way users stop runs in every stage that keeps work in progress (SIGKILL to the whole process
+group during question prep, dataset, extraction and training; Ctrl-C during generation) and
+resumed each time with the documented command. Then: the resumed run lost and repeated
+nothing, the wiring proof (trained drafter vs untrained), nothing left to do on a rerun, the
 invalidation matrix (each config key changed alone plans exactly what settings.py says),
 each config's own results_dir, no server left behind, the HTML report, and last, re-runs
 that reuse finished work (extraction requests nothing again, training resumes).
+
+One run serves all of these: a run per concern cost about 25 minutes more of CI on 2 cores.
 """
 
 import copy
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import copy_workflow, heavy_processes
+from interrupt import count, log_says, run_until, staged_answers, uninterrupted_question_ids, unlock
 from snakemake.utils import validate
 
 from draftsmith.settings import (
@@ -59,13 +67,77 @@ def planned_jobs(output: str) -> dict[str, int]:
     return jobs
 
 
+@dataclass
+class Interruptions:
+    """What the interrupted demo run had done at its stops."""
+
+    answered_before_ctrl_c: int
+    asked_after_ctrl_c: int
+    questions: int
+    checkpoints_before_kill: int
+
+
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("demo")
-    copy_workflow(workdir)
-    run = snakemake(workdir, "--cores", "all", "--resources", "gpu=8")
-    assert run.returncode == 0, run.stderr[-5000:]
-    return workdir
+def interrupted_demo(tmp_path_factory) -> tuple[Path, Interruptions]:
+    workdir = copy_workflow(tmp_path_factory.mktemp("demo"))
+    hidden_states = "results/.staging/hidden_states/*/hs_*.safetensors"
+    checkpoints = "results/.staging/train/checkpoints/[0-9]*/training_state.json"
+
+    run_until(workdir, lambda: log_says(workdir, "questions.log"))  # SIGKILL during question prep
+    unlock(workdir)
+    # Ctrl-C in a terminal: SIGINT to the whole foreground group. Each stage stops its own
+    # server; Snakemake exits and releases its lock, so the same command runs next.
+    run_until(workdir, lambda: staged_answers(workdir) >= 60, stop=signal.SIGINT)
+    answered_before = staged_answers(workdir)
+    run_until(workdir, lambda: log_says(workdir, "dataset.log", "prepare"))  # generation is done
+    summaries = [json.loads(p.read_text()) for p in workdir.glob("results/.staging/completions/*/summary.json")]
+    unlock(workdir)
+    run_until(workdir, lambda: count(hidden_states, workdir) >= 70)
+    unlock(workdir)
+    run_until(workdir, lambda: count(checkpoints, workdir) >= 2)
+    unlock(workdir)
+    checkpoints_before = count("results/.staging/train/checkpoints/[0-9]*", workdir)
+
+    final = snakemake(workdir, "--cores", "all", "--resources", "gpu=8")
+    assert final.returncode == 0, final.stderr[-5000:]
+    return workdir, Interruptions(
+        answered_before_ctrl_c=answered_before,
+        asked_after_ctrl_c=sum(s["asked_this_run"] for s in summaries),
+        questions=sum(s["questions"] for s in summaries),
+        checkpoints_before_kill=checkpoints_before,
+    )
+
+
+@pytest.fixture(scope="module")
+def demo_run(interrupted_demo) -> Path:
+    return interrupted_demo[0]
+
+
+def test_interrupted_anywhere_the_same_commands_finish_without_redoing_work(interrupted_demo, tmp_path):
+    workdir, stops = interrupted_demo
+    assert heavy_processes() == []
+    # After Ctrl-C the same command asked only for the questions not answered.
+    assert stops.answered_before_ctrl_c >= 60
+    assert stops.asked_after_ctrl_c == stops.questions - stops.answered_before_ctrl_c
+    # The sample ids of an uninterrupted run: none lost, none twice.
+    planned = sorted(
+        json.loads(line)["id"]
+        for p in workdir.glob("results/questions/shard_*.jsonl")
+        for line in p.read_text().splitlines()
+    )
+    assert planned == uninterrupted_question_ids(workdir, tmp_path)
+    answered = [
+        json.loads(line)["id"]
+        for p in workdir.glob("results/completions/shard_*.jsonl")
+        for line in p.read_text().splitlines()
+    ]
+    assert sorted(answered) == planned
+    row_ids = json.loads((workdir / "results/dataset/row_ids.json").read_text())
+    assert sorted(row_ids) == planned
+    assert count("results/hidden_states/all/hs_*.safetensors", workdir) == len(row_ids)
+    # Training resumed from its checkpoints instead of starting over.
+    assert stops.checkpoints_before_kill >= 2
+    assert "Resuming training on epoch" in (workdir / "results/logs/train.log").read_text()
 
 
 def test_demo_reaches_the_acceptance_goal_and_beats_an_untrained_drafter(demo_run):
