@@ -8,4 +8,4 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 tests/slurm/setup_cluster.sh
 make slurm-site
-PYTHONPATH="$PWD/.slurm-site" .venv/bin/python -m pytest -m slurm -s "$@" tests/test_slurm.py
+.venv/bin/python -m pytest -m slurm -s "$@" tests/test_slurm.py
