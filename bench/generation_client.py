@@ -26,7 +26,7 @@ import yaml
 from results_file import write_result
 from snakemake.utils import validate
 
-from draftsmith.generate import RecordWriter, answer_questions
+from draftsmith.generate import RecordWriter, answer_questions, generation_stage
 from draftsmith.server import ServerSpec, managed_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,6 +75,7 @@ def main() -> None:
     config = demo_config()
     generation = config["generation"] | {"concurrency": args.concurrency, "sampling": {"temperature": 0.0}}
     questions = demo_questions(args.questions)
+    stage = generation_stage(config | {"generation": generation})
 
     rates: dict[str, list[float]] = {"stage": [], "plain": []}
     with managed_server(ServerSpec.from_config(config)) as endpoint, tempfile.TemporaryDirectory() as scratch:
@@ -86,9 +87,7 @@ def main() -> None:
             writer = RecordWriter(Path(scratch) / f"records_{repeat}.jsonl")
             started = time.perf_counter()
             tally = asyncio.run(
-                answer_questions(
-                    endpoint, questions, writer, generation=generation, already_done=0, total=len(questions)
-                )
+                answer_questions(stage, endpoint, questions, writer, already_done=0, total=len(questions))
             )
             rates["stage"].append(tally.ok / (time.perf_counter() - started))
             writer.close()

@@ -9,7 +9,9 @@ from transformers import AutoTokenizer
 
 from draftsmith import generate
 from draftsmith.demo_model import question_rows
+from draftsmith.errors import DraftsmithError
 from draftsmith.settings import item_settings
+from draftsmith.staging import open_staging
 
 GENERATION = {
     "concurrency": 4,
@@ -90,22 +92,22 @@ def test_a_torn_last_record_is_cut_off(tmp_path):
 def test_gpu_slot_smaller_than_tp_is_refused_before_any_work(tmp_path):
     settings = server_settings(tmp_path, tensor_parallel_size=8) | {"device": "cuda", "gpu_slot": 8}
     settings["generation"] = GENERATION
-    with pytest.raises(generate.DraftsmithError, match="granted 4 GPU.*--resources gpu=8"):
+    with pytest.raises(DraftsmithError, match="granted 4 GPU.*--resources gpu=8"):
         generate.run(settings, tmp_path / "absent.jsonl", tmp_path / "s", tmp_path / "o", granted_gpus=4)
 
 
 def test_staged_answers_are_dropped_when_a_generation_setting_changes(tmp_path):
     staging = tmp_path / "staging"
     settings = server_settings(tmp_path) | {"generation": GENERATION}
-    generate.open_staging(staging, item_settings(settings, "generate"))
+    generate.generation_stage(settings).begin(None, staging)
     (staging / generate.RECORDS).write_text('{"id": "a", "input_ids": [1], "loss_mask": [1]}\n')
 
     same = settings | {"generation": GENERATION | {"concurrency": 99, "max_retries": 7}}
-    generate.open_staging(staging, item_settings(same, "generate"))
+    generate.generation_stage(same).begin(None, staging)
     assert list(generate.load_records(staging / generate.RECORDS)) == ["a"]
 
     changed = settings | {"generation": GENERATION | {"max_tokens": 12}}
-    generate.open_staging(staging, item_settings(changed, "generate"))
+    generate.generation_stage(changed).begin(None, staging)
     assert generate.load_records(staging / generate.RECORDS) == {}
 
 
@@ -117,7 +119,7 @@ def test_resharded_questions_take_their_answers_from_the_old_shards(tmp_path, ca
     settings = server_settings(tmp_path / "no-model") | {"generation": GENERATION}
     changed = settings | {"generation": GENERATION | {"max_tokens": 12}}
     for shard, made_with, token in ((1, settings, 7), (2, changed, 9)):
-        staging = generate.open_staging(tmp_path / "staging" / f"shard_{shard}", item_settings(made_with, "generate"))
+        staging = open_staging(tmp_path / "staging" / f"shard_{shard}", item_settings(made_with, "generate"))
         (staging / generate.RECORDS).write_text(
             "".join(
                 json.dumps(

@@ -13,10 +13,7 @@ from draftsmith.server import Endpoint
 # server loads (server.import_in_background).
 SPECULATORS_CLIENT = "speculators.data_generation.vllm_client"
 # Third-party names this module uses; the preflight checks each exists (preflight.declared).
-THIRD_PARTY = [
-    ("speculators.data_generation.vllm_client", "with_retries"),
-    ("speculators.data_generation.vllm_client", "InvalidResponseError"),
-]
+THIRD_PARTY = [("speculators.data_generation.vllm_client", "InvalidResponseError")]
 
 Poster = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 RETRYABLE_STATUSES = {408, 429}
@@ -31,15 +28,15 @@ def open_session(endpoint: Endpoint, concurrency: int, timeout_s: float) -> aioh
     )
 
 
-def chat_poster(session: aiohttp.ClientSession, endpoint: Endpoint, max_retries: int) -> Poster:
-    """POST to /chat/completions with speculators' retry policy: transient errors
-    (5xx, 408, 429, network) back off and retry; other 4xx fail at once."""
-    from speculators.data_generation.vllm_client import InvalidResponseError, with_retries
+def chat_poster(session: aiohttp.ClientSession, endpoint: Endpoint) -> Poster:
+    """POST to /chat/completions. A transient error (5xx, 408, 429) raises RuntimeError and
+    is retried by the stage (server_stage); any other 4xx raises speculators'
+    InvalidResponseError, which is not."""
+    from speculators.data_generation.vllm_client import InvalidResponseError
 
     url = f"{endpoint.base_url}/chat/completions"
 
-    @with_retries
-    async def post_once(payload: dict[str, Any]) -> dict[str, Any]:
+    async def post(payload: dict[str, Any]) -> dict[str, Any]:
         async with session.post(url, json=payload) as response:
             if response.ok:
                 return await response.json()
@@ -47,8 +44,5 @@ def chat_poster(session: aiohttp.ClientSession, endpoint: Endpoint, max_retries:
             if response.status >= 500 or response.status in RETRYABLE_STATUSES:
                 raise RuntimeError(f"HTTP {response.status}: {body}")
             raise InvalidResponseError(f"HTTP {response.status}: {body}")
-
-    async def post(payload: dict[str, Any]) -> dict[str, Any]:
-        return await post_once(payload, max_retries=max_retries)
 
     return post

@@ -16,6 +16,10 @@ a time, and records per phase and per category:
 
 The job's totals are checked against the server's own Prometheus counters. The
 ``evaluation_summary`` stage turns the records of all jobs into the report.
+
+The order of the work and the retries are those of every server stage (``server_stage``);
+a measurement keeps no work in progress, so it has no staging, and any failed request
+fails the job: a measurement with holes would not compare with the others.
 """
 
 from __future__ import annotations
@@ -36,14 +40,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.client import SPECULATORS_CLIENT, chat_poster, open_session
-from draftsmith.errors import DraftsmithError
 from draftsmith.evaluation_sets import read_prompts
 from draftsmith.plan import read_target_config
 from draftsmith.progress import Progress, log
-from draftsmith.server import Endpoint, ServerSpec, import_in_background, managed_server
+from draftsmith.server import Endpoint, ServerSpec
+from draftsmith.server_stage import RequestPolicy, ServerStage, StageError
 from draftsmith.serving import EvaluationAttention, evaluation_attention
 from draftsmith.settings import concurrencies, draft_lengths, lookup
-from draftsmith.slot import check_gpu_slot
 
 SPEC_METRIC_PREFIX = "vllm:spec_decode_num_"
 # The speculative method of the evaluation servers (vLLM's SpeculativeMethod).
@@ -53,8 +56,16 @@ SPECULATIVE_METHODS = ["eagle3"]
 ENGINE_ARGS = ["per_request_spec_decode_metrics"]
 
 
-class EvaluationError(DraftsmithError):
+class EvaluationError(StageError):
     pass
+
+
+def evaluation_stage(settings: dict) -> ServerStage[int]:
+    """The skeleton's parts for this stage; its items are a phase's prompts, by position."""
+    policy = RequestPolicy.from_section(settings["evaluation"], concurrency=concurrencies(settings)[0])
+    return ServerStage(
+        "evaluate", settings, policy, "requests", name=lambda index: f"prompt {index}", error=EvaluationError
+    )
 
 
 @dataclass
@@ -114,29 +125,29 @@ def read_metrics(endpoint: Endpoint) -> str:
         return response.read().decode()
 
 
-async def run_phase(endpoint: Endpoint, prompts: list[dict], phase: Phase, evaluation: dict, label: str) -> None:
+async def run_phase(stage: ServerStage[int], endpoint: Endpoint, prompts: list[dict], phase: Phase, label: str) -> None:
     """Send the phase's prompts, ``phase.concurrency`` at a time, and tally the answers."""
     progress = Progress(f"{label}, set {phase.set}, concurrency {phase.concurrency}", len(prompts))
-    semaphore = asyncio.Semaphore(phase.concurrency)
-    async with open_session(endpoint, phase.concurrency, evaluation["request_timeout_s"]) as session:
-        post = chat_poster(session, endpoint, max_retries=evaluation["max_retries"])
+    async with open_session(endpoint, phase.concurrency, stage.policy.timeout_s) as session:
+        post = chat_poster(session, endpoint)
 
-        async def answer(prompt: dict) -> None:
+        async def answer(index: int) -> None:
+            prompt = prompts[index]
             payload = {
                 "model": endpoint.model,
                 "messages": prompt["messages"],
-                "max_tokens": evaluation["max_tokens"],
+                "max_tokens": stage.settings["evaluation"]["max_tokens"],
                 **phase.sampling,
             }
-            async with semaphore:
-                started = time.monotonic()
-                response = await post(payload)
-                phase.categories[prompt["category"]].add(response, time.monotonic() - started)
-            progress.advance()
+            started = time.monotonic()
+            response = await post(payload)
+            phase.categories[prompt["category"]].add(response, time.monotonic() - started)
 
         started = time.monotonic()
-        await asyncio.gather(*(answer(prompt) for prompt in prompts))
+        failures = await stage.request_all(range(len(prompts)), answer, progress, concurrency=phase.concurrency)
         phase.seconds = time.monotonic() - started
+    kept = f"{progress.label}: a measurement keeps no work in progress; rerun the job once the cause is fixed"
+    stage.check_failures({stage.name(index): reason for index, reason in failures.items()}, len(prompts), kept)
     whole = merged(phase.categories.values())
     log(
         f"{progress.label}: {whole.completion_tokens} tokens in {phase.seconds:.1f}s "
@@ -150,7 +161,7 @@ def sampling_label(sampling: dict) -> str:
 
 
 def measure(
-    settings: dict,
+    stage: ServerStage[int],
     prompts: list[dict],
     drafter: Path | None,
     k: int | None,
@@ -158,7 +169,7 @@ def measure(
     default_only: bool = False,
 ) -> dict:
     """Every phase on one server: the target alone, or with ``drafter`` at draft length ``k``."""
-    evaluation = settings["evaluation"]
+    settings = stage.settings
     extra = []
     if drafter is not None:
         extra = ["--speculative-config", json.dumps(speculative_config(drafter, k))]
@@ -173,14 +184,11 @@ def measure(
     if default_only:  # the untrained drafter only proves the wiring: greedy, at the default concurrency
         samplings, levels = samplings[:1], levels[:1]
     phases = [Phase(name, concurrency, sampling) for sampling in samplings for concurrency in levels for name in by_set]
-    import_in_background(SPECULATORS_CLIENT)
-    with managed_server(spec) as endpoint:
+    with stage.server(spec, SPECULATORS_CLIENT) as endpoint:
 
         async def run_all() -> None:
             for phase in phases:
-                await run_phase(
-                    endpoint, by_set[phase.set], phase, evaluation, f"{label}, {sampling_label(phase.sampling)}"
-                )
+                await run_phase(stage, endpoint, by_set[phase.set], phase, f"{label}, {sampling_label(phase.sampling)}")
 
         asyncio.run(run_all())
         counters = spec_decode_counters(read_metrics(endpoint))
@@ -259,7 +267,8 @@ def run(
     granted_gpus: int | None,
     default_only: bool = False,
 ) -> dict:
-    check_gpu_slot(settings, granted_gpus)
+    stage = evaluation_stage(settings)
+    stage.begin(granted_gpus)
     if drafter is not None and k not in draft_lengths(settings):
         raise EvaluationError(f"draft length {k} is not in evaluation.num_speculative_tokens; add it there")
     prompts = read_prompts(prompts_path)
@@ -268,7 +277,7 @@ def run(
     if attention.mla_disabled:
         log(attention.reason)
     log(f"evaluating on {len(prompts)} prompts in {len({p['set'] for p in prompts})} set(s)")
-    result = measure(settings, prompts, drafter, k, attention, default_only)
+    result = measure(stage, prompts, drafter, k, attention, default_only)
     atomic_write_text(output, json.dumps(result, indent=2) + "\n")
     return result
 

@@ -13,13 +13,15 @@ when every row is staged and the whole shard passes the gate again are the files
 published: hard-linked (no bytes copied) into a fresh sibling of ``--output`` that is
 then renamed to ``--output`` in one step, so the output directory appears complete or
 not at all, and the staged copy survives Snakemake deleting the output before a rerun.
+
+The order of the work, the retries and the error budget (none: every row must be there)
+are those of every server stage (``server_stage``); what is this stage's own is below.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import logging
 import os
@@ -36,28 +38,24 @@ from transformers import AutoConfig
 from draftsmith.atomic import publish_directory
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.client import SPECULATORS_CLIENT
-from draftsmith.errors import DraftsmithError
 from draftsmith.layers import LayerPlan, resolve_layers
 from draftsmith.layout import HIDDEN_STATE_GLOB, SHARD_MANIFEST, hidden_state_file
 from draftsmith.progress import Progress, log
-from draftsmith.server import Endpoint, ServerSpec, import_in_background, managed_server
+from draftsmith.server import Endpoint, ServerSpec
+from draftsmith.server_stage import RequestPolicy, ServerStage, StageError, first_errors
 from draftsmith.settings import item_settings
 from draftsmith.shard_gate import BadSample, check_sample, check_shard
-from draftsmith.slot import check_gpu_slot
-from draftsmith.staging import fingerprint_of, matching_siblings, open_staging
+from draftsmith.staging import fingerprint_of, matching_siblings
 
 # Third-party names this module uses; the preflight checks each exists (preflight.declared).
 THIRD_PARTY = [
-    ("speculators.data_generation.vllm_client", "InvalidResponseError"),
     ("speculators.data_generation.vllm_client", "generate_hidden_states_async"),
     ("speculators.data_generation.vllm_client", "wait_for_lock_async"),
 ]
 # The speculative method of the extraction server (vLLM's SpeculativeMethod).
 SPECULATIVE_METHODS = ["extract_hidden_states"]
 
-SHOW_FIRST = 5
 VLLM_STORAGE_DIR = "vllm"  # inside staging: same filesystem, so moves are atomic renames
-MAX_BACKOFF_S = 30.0
 # How often a finished row's file lock is tried (speculators' default: 0.1 s).
 LOCK_POLL_S = 0.01
 # The connector vLLM loads by name (draftsmith/hidden_states_connector.py); named here so
@@ -66,15 +64,18 @@ CONNECTOR_MODULE = "draftsmith.hidden_states_connector"
 CONNECTOR_NAME = "CpuSafeHiddenStatesConnector"
 
 
-def not_retried() -> tuple[type[Exception], ...]:
-    """Deterministic failures (bad token ids, wrong key, prompt mismatch): retrying cannot help."""
-    from speculators.data_generation.vllm_client import InvalidResponseError
-
-    return (openai.BadRequestError, openai.AuthenticationError, InvalidResponseError)
-
-
-class ExtractionError(DraftsmithError):
+class ExtractionError(StageError):
     """The shard could not be completed; the message says what failed and what to do."""
+
+
+def extraction_stage(settings: dict) -> ServerStage[int]:
+    """The skeleton's parts for this stage; its items are dataset rows."""
+    policy = RequestPolicy.from_section(settings["extraction"])
+    return ServerStage("extract", settings, policy, "rows", name=lambda row: f"row {row}", error=ExtractionError)
+
+
+def named(failures: Mapping[int, str]) -> dict[str, str]:
+    return {f"row {row}": reason for row, reason in sorted(failures.items())}
 
 
 @dataclass(frozen=True)
@@ -219,11 +220,6 @@ def check_settings(settings: dict, rows: ShardRows) -> None:
             )
 
 
-def _first_few(failures: Mapping[int, str]) -> str:
-    shown = [f"row {row}: {reason}" for row, reason in sorted(failures.items())[:SHOW_FIRST]]
-    return "; ".join(shown) + ("; ..." if len(failures) > SHOW_FIRST else "")
-
-
 def rows_to_request(staging: Path, rows: ShardRows, shape: SampleShape) -> list[int]:
     """Resume: rows whose staged file is missing or fails the gate (bad files are removed)."""
     todo, corrupt = [], {}
@@ -241,7 +237,7 @@ def rows_to_request(staging: Path, rows: ShardRows, shape: SampleShape) -> list[
     skipped = len(rows) - len(todo)
     log(f"resume: {skipped} of {len(rows)} rows already staged and valid, {len(todo)} to request")
     if corrupt:
-        log(f"resume: removed {len(corrupt)} staged file(s) that failed the gate: {_first_few(corrupt)}")
+        log(f"resume: removed {len(corrupt)} staged file(s) that failed the gate: {first_errors(named(corrupt))}")
     return todo
 
 
@@ -302,69 +298,29 @@ async def _extract_one(
 
 
 async def extract_rows(
+    stage: ServerStage[int],
     endpoint: Endpoint,
     rows: ShardRows,
     todo: list[int],
     staging: Path,
     shape: SampleShape,
-    extraction: dict,
 ) -> dict[int, str]:
-    """Request every row in ``todo`` with bounded concurrency; return row -> failure reason."""
-    concurrency = extraction["concurrency"]
-    attempts = extraction["max_retries"] + 1
-    timeout_s = extraction["request_timeout_s"]
-    # A dead server makes every row fail; stop instead of churning through the shard.
-    give_up_after = max(2 * concurrency, 8)
-    failures: dict[int, str] = {}
+    """Request every row in ``todo``; return row -> failure reason."""
+    policy = stage.policy
     progress = Progress("extract", len(rows), already_done=len(rows) - len(todo))
-    in_flight = asyncio.Semaphore(concurrency)  # requests the server has
-    # Rows between request and staged file (waiting for the lock, gated); bounded so a big
-    # shard's token ids are not all read at once.
-    admitted = asyncio.Semaphore(4 * concurrency)
-    consecutive = 0
-
-    async def attempt(row: int) -> str | None:
-        """Extract one row with retries; the failure reason, or None when staged."""
-        for number in itertools.count(1):
-            try:
-                await _extract_one(client, endpoint, row, rows[row], staging, shape, timeout_s, in_flight)
-                return None
-            except Exception as error:  # request, lock, gate or filesystem
-                reason = f"{type(error).__name__}: {error}"
-                if number == attempts or isinstance(error, not_retried()):
-                    return reason
-                log(f"row {row}: attempt {number}/{attempts} failed ({reason}); retrying")
-                await asyncio.sleep(min(2.0**number, MAX_BACKOFF_S))
-
-    async def one(row: int) -> None:
-        nonlocal consecutive
-        async with admitted:
-            reason = await attempt(row)
-        if reason is None:
-            consecutive = 0
-            progress.advance(ok=1)
-            return
-        failures[row] = reason
-        consecutive += 1
-        progress.advance(failed=1)
-        if consecutive >= give_up_after:
-            raise ExtractionError(
-                f"{consecutive} rows in a row failed (last: row {row}: {reason}); "
-                "the server is likely down or misconfigured, see its log"
-            )
-
+    in_flight = asyncio.Semaphore(policy.concurrency)  # requests the server has
     # The key-protected server needs our key: `speculators generate-offline-data`
     # hard-codes api_key="EMPTY", so its client functions are used as a library here.
     # Its logger reports every final failure as "timed out"; failures are reported here.
     logging.getLogger("speculators.data_generation.vllm_client").setLevel(logging.CRITICAL)
     async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0) as client:
-        try:
-            async with asyncio.TaskGroup() as group:
-                for row in todo:
-                    group.create_task(one(row))
-        except* ExtractionError as group_error:
-            raise group_error.exceptions[0] from None
-    return failures
+
+        async def extract(row: int) -> None:
+            await _extract_one(client, endpoint, row, rows[row], staging, shape, policy.timeout_s, in_flight)
+
+        # Rows between request and staged file (waiting for the lock, gated) are bounded
+        # separately, so that a big shard's token ids are not all read at once.
+        return await stage.request_all(todo, extract, progress, admitted=4 * policy.concurrency)
 
 
 def publishing_dir(output: Path) -> Path:
@@ -426,7 +382,8 @@ def run(
     granted_gpus: int | None = None,
 ) -> ExtractionResult:
     """Extract, resume, gate and publish one shard; raise ``ExtractionError`` if incomplete."""
-    check_gpu_slot(settings, granted_gpus)
+    stage = extraction_stage(settings)
+    stage.begin(granted_gpus, staging)
     rows = load_shard(dataset_dir, shard, num_shards)
     plan, shape = target_shape(settings)
     check_settings(settings, rows)
@@ -434,8 +391,6 @@ def run(
         f"shard {shard}/{num_shards}: rows {rows.rows.start}..{rows.rows.stop - 1}, "
         f"vLLM layer ids {plan.vllm_ids}, hidden {shape.hidden_size}, {shape.dtype}"
     )
-    items = item_settings(settings, "extract")
-    open_staging(staging, items)
     _recover_interrupted_publish(publishing_dir(output), staging)
     adopt_from_other_shards(staging, rows)
     storage = staging / VLLM_STORAGE_DIR
@@ -446,16 +401,13 @@ def run(
     result = ExtractionResult(rows.rows, skipped=len(rows) - len(todo), requested=todo)
     if todo:
         spec = ServerSpec.from_config(settings, extra_args=extraction_server_args(plan, storage, shape.dtype))
-        import_in_background(SPECULATORS_CLIENT)
-        with managed_server(spec) as endpoint:
-            result.failures = asyncio.run(extract_rows(endpoint, rows, todo, staging, shape, settings["extraction"]))
-    if result.failures:
-        raise ExtractionError(
-            f"{len(result.failures)} of {len(rows)} rows failed: {_first_few(result.failures)}. "
-            "Staged rows are kept; rerun to retry only the missing ones"
-        )
+        with stage.server(spec, SPECULATORS_CLIENT) as endpoint:
+            result.failures = asyncio.run(extract_rows(stage, endpoint, rows, todo, staging, shape))
+    kept = "Staged rows are kept; rerun to retry only the missing ones"
+    stage.check_failures(named(result.failures), len(rows), kept)
     check_shard(staging, rows, shape.num_layers_stored, shape.hidden_size, shape.dtype)
-    publish(staging, output, rows, manifest(rows, plan, shape, staging, fingerprint_of(items)))
+    items = fingerprint_of(item_settings(settings, "extract"))
+    publish(staging, output, rows, manifest(rows, plan, shape, staging, items))
     shutil.rmtree(storage)
     log(f"published {len(rows)} samples to {output}")
     return result

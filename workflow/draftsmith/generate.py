@@ -13,6 +13,9 @@ must follow this workflow's rules:
 - the shard is published to its output in one rename once all its questions are
   answered, or the stage fails when more than ``max_error_fraction`` failed.
 
+The order of the work, the retries and the error budget are those of every server
+stage (``server_stage``); what is this stage's own is below.
+
 The token ids are the model's own: reasoning stays wrapped in its think tags
 exactly as generated (the hand-run scripts lost that wrapper).
 """
@@ -35,12 +38,10 @@ from transformers import AutoTokenizer
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.client import SPECULATORS_CLIENT, chat_poster, open_session
-from draftsmith.errors import DraftsmithError
 from draftsmith.progress import Progress, log
-from draftsmith.server import Endpoint, ServerSpec, import_in_background, managed_server
-from draftsmith.settings import item_settings
-from draftsmith.slot import check_gpu_slot
-from draftsmith.staging import matching_siblings, open_staging
+from draftsmith.server import Endpoint, ServerSpec
+from draftsmith.server_stage import RequestPolicy, ServerStage, StageError
+from draftsmith.staging import matching_siblings
 
 RECORDS = "records.jsonl"
 SPECULATORS_GENERATION = "speculators.cli.regenerate_responses"  # imported while the server loads
@@ -48,8 +49,14 @@ SPECULATORS_GENERATION = "speculators.cli.regenerate_responses"  # imported whil
 THIRD_PARTY = [("speculators.cli.regenerate_responses", "regenerate_conversation")]
 
 
-class GenerationError(DraftsmithError):
+class GenerationError(StageError):
     pass
+
+
+def generation_stage(settings: dict) -> ServerStage[str]:
+    """The skeleton's parts for this stage; its items are question ids."""
+    policy = RequestPolicy.from_section(settings["generation"])
+    return ServerStage("generate", settings, policy, "questions", error=GenerationError)
 
 
 @dataclass
@@ -152,52 +159,42 @@ class RecordWriter:
 
 
 async def answer_questions(
+    stage: ServerStage[str],
     endpoint: Endpoint,
     questions: list[dict[str, Any]],
     writer: RecordWriter,
     *,
-    generation: dict[str, Any],
     already_done: int,
     total: int,
 ) -> Tally:
     from speculators.cli.regenerate_responses import regenerate_conversation
 
-    tally = Tally()
+    generation = stage.settings["generation"]
+    by_id = {question["id"]: question for question in questions}
+    position = {question_id: index for index, question_id in enumerate(by_id)}
     progress = Progress("generation", total, already_done=already_done)
-    semaphore = asyncio.Semaphore(generation["concurrency"])
-    session = open_session(endpoint, generation["concurrency"], generation["request_timeout_s"])
-    async with session:
-        post = chat_poster(session, endpoint, generation["max_retries"])
+    async with open_session(endpoint, stage.policy.concurrency, stage.policy.timeout_s) as session:
+        post = chat_poster(session, endpoint)
 
-        async def answer(index: int, question: dict[str, Any]) -> None:
-            item = {"idx": index, "primary_id": question["id"], "turns": question["messages"]}
+        async def answer(question_id: str) -> dict[str, int]:
+            item = {"idx": position[question_id], "primary_id": question_id, "turns": by_id[question_id]["messages"]}
             samples: list[dict[str, Any]] = []
-            async with semaphore:
-                try:
-                    await regenerate_conversation(
-                        post,
-                        item,
-                        model=endpoint.model,
-                        max_tokens=generation["max_tokens"],
-                        endpoint=endpoint.base_url,
-                        sampling_params=generation["sampling"],
-                        samples=samples,
-                        detokenize=lambda ids: "",  # review-only text twin; not needed
-                    )
-                except Exception as error:  # noqa: BLE001 - every failure is counted, not fatal
-                    tally.errors[question["id"]] = repr(error)[:300]
-                    progress.advance(errors=1)
-                    return
-            record = record_from_sample(question["id"], samples[0])
+            await regenerate_conversation(
+                post,
+                item,
+                model=endpoint.model,
+                max_tokens=generation["max_tokens"],
+                endpoint=endpoint.base_url,
+                sampling_params=generation["sampling"],
+                samples=samples,
+                detokenize=lambda ids: "",  # review-only text twin; not needed
+            )
+            record = record_from_sample(question_id, samples[0])
             await writer.append(record)
-            tally.errors.pop(question["id"], None)
-            truncated = record["finish_reason"] == "length"
-            tally.ok += 1
-            tally.truncated += truncated
-            progress.advance(ok=1, truncated=int(truncated))
+            return {"truncated": int(record["finish_reason"] == "length")}
 
-        await asyncio.gather(*(answer(i, q) for i, q in enumerate(questions)))
-    return tally
+        failures = await stage.request_all(list(by_id), answer, progress)
+    return Tally(len(by_id) - len(failures), progress.counts.get("truncated", 0), failures)
 
 
 def external_endpoint(settings: dict) -> Endpoint | None:
@@ -237,17 +234,15 @@ def overlong_prompts(settings: dict, questions: list[dict[str, Any]]) -> dict[st
 
 
 def run(settings: dict, questions_path: Path, staging: Path, output: Path, granted_gpus: int | None) -> Tally:
-    check_gpu_slot(settings, granted_gpus)
-    generation = settings["generation"]
+    stage = generation_stage(settings)
+    stage.begin(granted_gpus, staging)
     questions = read_questions(questions_path)
-    open_staging(staging, item_settings(settings, "generate"))
     records_path = staging / RECORDS
     done = load_records(records_path)
     adopt_from_other_shards(staging, questions, done)
     todo = [q for q in questions if q["id"] not in done]
     log(f"{len(questions)} questions in shard: {len(done)} already answered, {len(todo)} to ask")
 
-    allowed = generation["max_error_fraction"] * len(questions)
     overlong = overlong_prompts(settings, todo)
     if overlong:
         limit = settings["server"]["max_model_len"]
@@ -256,7 +251,7 @@ def run(settings: dict, questions_path: Path, staging: Path, output: Path, grant
             f"server.max_model_len={limit} on its own (longest {max(overlong.values())} tokens, "
             f"e.g. {next(iter(overlong))})"
         )
-        if len(overlong) > allowed:
+        if len(overlong) > stage.policy.max_error_fraction * len(questions):
             raise GenerationError(f"{message}: raise server.max_model_len or drop them; nothing was started")
         log(f"{message}: skipped, counted as failed")
         todo = [q for q in todo if q["id"] not in overlong]
@@ -264,20 +259,13 @@ def run(settings: dict, questions_path: Path, staging: Path, output: Path, grant
     tally = Tally(errors={i: f"prompt of {n} tokens fills max_model_len" for i, n in overlong.items()})
     if todo:
         writer = RecordWriter(records_path)
-        spec = ServerSpec.from_config(settings)
         started = time.monotonic()
-        import_in_background(SPECULATORS_GENERATION, SPECULATORS_CLIENT)
         try:
-            with managed_server(spec, external=external_endpoint(settings)) as endpoint:
+            spec = ServerSpec.from_config(settings)
+            imports = (SPECULATORS_GENERATION, SPECULATORS_CLIENT)
+            with stage.server(spec, *imports, external=external_endpoint(settings)) as endpoint:
                 asked = asyncio.run(
-                    answer_questions(
-                        endpoint,
-                        todo,
-                        writer,
-                        generation=generation,
-                        already_done=len(done),
-                        total=len(questions),
-                    )
+                    answer_questions(stage, endpoint, todo, writer, already_done=len(done), total=len(questions))
                 )
             tally = Tally(asked.ok, asked.truncated, tally.errors | asked.errors)
         finally:
@@ -298,13 +286,11 @@ def run(settings: dict, questions_path: Path, staging: Path, output: Path, grant
         "errors": dict(list(tally.errors.items())[:20]),
     }
     atomic_write_text(staging / "summary.json", json.dumps(summary, indent=2) + "\n")
-    if len(missing) > allowed:
-        first = "; ".join(f"{k}: {v}" for k, v in list(tally.errors.items())[:3])
-        raise GenerationError(
-            f"{len(missing)} of {len(questions)} questions failed (more than "
-            f"max_error_fraction={generation['max_error_fraction']}); answered ones are kept in "
-            f"{records_path} and a rerun asks only for the rest. First errors: {first}"
-        )
+    stage.check_failures(
+        {i: tally.errors.get(i, "not answered") for i in missing},
+        len(questions),
+        kept=f"Answered ones are kept in {records_path} and a rerun asks only for the rest",
+    )
     publish(questions, records, output)
     log(f"published {summary['answered']} answers to {output}")
     return tally
