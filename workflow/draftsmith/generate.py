@@ -251,7 +251,7 @@ def run(settings: dict, questions_path: Path, staging: Path, output: Path, grant
             f"server.max_model_len={limit} on its own (longest {max(overlong.values())} tokens, "
             f"e.g. {next(iter(overlong))})"
         )
-        if len(overlong) > stage.policy.max_error_fraction * len(questions):
+        if not stage.policy.allows(len(overlong), len(questions)):
             raise GenerationError(f"{message}: raise server.max_model_len or drop them; nothing was started")
         log(f"{message}: skipped, counted as failed")
         todo = [q for q in todo if q["id"] not in overlong]

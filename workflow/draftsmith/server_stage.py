@@ -60,6 +60,10 @@ class RequestPolicy:
     max_retries: int
     max_error_fraction: float = 0.0  # the share of items that may fail without failing the job
 
+    def allows(self, failed: int, total: int) -> bool:
+        """Whether ``failed`` of ``total`` items are within the error budget."""
+        return failed <= self.max_error_fraction * total
+
     @classmethod
     def from_section(cls, section: dict, concurrency: int | None = None) -> RequestPolicy:
         return cls(
@@ -173,8 +177,8 @@ class ServerStage(Generic[Item]):
     def check_failures(self, failures: Mapping[str, str], total: int, kept: str) -> None:
         """Step 6: fail when more of the ``total`` items failed than the policy allows.
         ``failures`` is item name -> reason; ``kept`` says where finished work is kept."""
-        fraction = self.policy.max_error_fraction
-        if len(failures) <= fraction * total:
+        if self.policy.allows(len(failures), total):
             return
+        fraction = self.policy.max_error_fraction
         budget = f" (more than max_error_fraction={fraction})" if fraction else ""
         raise self.error(f"{len(failures)} of {total} {self.noun} failed{budget}: {first_errors(failures)}. {kept}")
