@@ -147,7 +147,7 @@ async def run_phase(stage: ServerStage[int], endpoint: Endpoint, prompts: list[d
         failures = await stage.request_all(range(len(prompts)), answer, progress, concurrency=phase.concurrency)
         phase.seconds = time.monotonic() - started
     kept = f"{progress.label}: a measurement keeps no work in progress; rerun the job once the cause is fixed"
-    stage.check_failures({stage.name(index): reason for index, reason in failures.items()}, len(prompts), kept)
+    stage.check_failures(failures, len(prompts), kept)
     whole = merged(phase.categories.values())
     log(
         f"{progress.label}: {whole.completion_tokens} tokens in {phase.seconds:.1f}s "

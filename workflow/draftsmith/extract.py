@@ -71,11 +71,11 @@ class ExtractionError(StageError):
 def extraction_stage(settings: dict) -> ServerStage[int]:
     """The skeleton's parts for this stage; its items are dataset rows."""
     policy = RequestPolicy.from_section(settings["extraction"])
-    return ServerStage("extract", settings, policy, "rows", name=lambda row: f"row {row}", error=ExtractionError)
+    return ServerStage("extract", settings, policy, "rows", name=row_name, error=ExtractionError)
 
 
-def named(failures: Mapping[int, str]) -> dict[str, str]:
-    return {f"row {row}": reason for row, reason in sorted(failures.items())}
+def row_name(row: int) -> str:
+    return f"row {row}"
 
 
 @dataclass(frozen=True)
@@ -237,7 +237,7 @@ def rows_to_request(staging: Path, rows: ShardRows, shape: SampleShape) -> list[
     skipped = len(rows) - len(todo)
     log(f"resume: {skipped} of {len(rows)} rows already staged and valid, {len(todo)} to request")
     if corrupt:
-        log(f"resume: removed {len(corrupt)} staged file(s) that failed the gate: {first_errors(named(corrupt))}")
+        log(f"resume: removed {len(corrupt)} staged file(s) that failed the gate: {first_errors(corrupt, row_name)}")
     return todo
 
 
@@ -404,7 +404,7 @@ def run(
         with stage.server(spec, SPECULATORS_CLIENT) as endpoint:
             result.failures = asyncio.run(extract_rows(stage, endpoint, rows, todo, staging, shape))
     kept = "Staged rows are kept; rerun to retry only the missing ones"
-    stage.check_failures(named(result.failures), len(rows), kept)
+    stage.check_failures(result.failures, len(rows), kept)
     check_shard(staging, rows, shape.num_layers_stored, shape.hidden_size, shape.dtype)
     items = fingerprint_of(item_settings(settings, "extract"))
     publish(staging, output, rows, manifest(rows, plan, shape, staging, items))

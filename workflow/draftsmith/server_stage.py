@@ -87,8 +87,9 @@ def not_retried() -> tuple[type[Exception], ...]:
     return (openai.BadRequestError, openai.AuthenticationError, InvalidResponseError)
 
 
-def first_errors(failures: Mapping[str, str]) -> str:
-    shown = [f"{name}: {reason}" for name, reason in list(failures.items())[:SHOW_FIRST]]
+def first_errors(failures: Mapping[Item, str], name: Callable[[Item], str] = str) -> str:
+    """The first failures in item order, each as its name and reason, and how many more."""
+    shown = [f"{name(item)}: {failures[item]}" for item in sorted(failures)[:SHOW_FIRST]]
     more = len(failures) - len(shown)
     return "; ".join(shown) + (f"; and {more} more" if more else "")
 
@@ -174,11 +175,13 @@ class ServerStage(Generic[Item]):
                 log(f"{self.name(item)}: attempt {number}/{attempts} failed ({reason}); retrying")
                 await asyncio.sleep(min(2.0**number, MAX_BACKOFF_S))
 
-    def check_failures(self, failures: Mapping[str, str], total: int, kept: str) -> None:
+    def check_failures(self, failures: Mapping[Item, str], total: int, kept: str) -> None:
         """Step 6: fail when more of the ``total`` items failed than the policy allows.
-        ``failures`` is item name -> reason; ``kept`` says where finished work is kept."""
+        ``failures`` is item -> reason (``request_all``'s result, or the stage's own count);
+        ``kept`` says where finished work is kept."""
         if self.policy.allows(len(failures), total):
             return
         fraction = self.policy.max_error_fraction
         budget = f" (more than max_error_fraction={fraction})" if fraction else ""
-        raise self.error(f"{len(failures)} of {total} {self.noun} failed{budget}: {first_errors(failures)}. {kept}")
+        first = first_errors(failures, self.name)
+        raise self.error(f"{len(failures)} of {total} {self.noun} failed{budget}: {first}. {kept}")
