@@ -49,8 +49,10 @@ def test_transient_failures_are_retried_with_back_off_up_to_max_retries(no_backo
             raise RuntimeError("HTTP 503: overloaded")
         return {"truncated": row % 2}
 
-    failures, progress = send(stage(max_retries=2), list(range(4)), request)
+    retrying = stage(max_retries=2)
+    failures, progress = send(retrying, list(range(4)), request)
     assert attempts == {0: 3, 1: 2, 2: 2, 3: 2}  # 1 + max_retries for the one that never passes
+    assert retrying.retried == 5  # counted for the evaluation's check against the server
     assert failures == {0: "RuntimeError: HTTP 503: overloaded"}
     assert sorted(no_backoff) == [2.0] * 4 + [4.0]  # 2 s, then 4 s: exponential
     assert progress.counts == {"ok": 3, "failed": 1, "truncated": 2}
@@ -73,8 +75,9 @@ def test_deterministic_failures_are_not_retried(error):
         attempts.append(row)
         raise error
 
-    failures, _ = send(stage(max_retries=3), [7], request)
-    assert attempts == [7] and list(failures) == [7]
+    rejecting = stage(max_retries=3)
+    failures, _ = send(rejecting, [7], request)
+    assert attempts == [7] and list(failures) == [7] and rejecting.retried == 0
 
 
 def test_a_long_run_of_failures_stops_the_stage_as_a_dead_server():

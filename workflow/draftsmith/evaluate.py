@@ -193,7 +193,7 @@ def measure(
         asyncio.run(run_all())
         counters = spec_decode_counters(read_metrics(endpoint))
     if drafter is not None:
-        check_against_server(phases, counters, drafter)
+        check_against_server(phases, counters, drafter, retried=stage.retried)
     return {
         "drafter": str(drafter) if drafter else None,
         "num_speculative_tokens": k,
@@ -229,9 +229,11 @@ def acceptance_length(tally: Tally) -> float:
     return 1.0 + sum(j * n for j, n in enumerate(tally.histogram)) / steps if steps else 1.0
 
 
-def check_against_server(phases: list[Phase], counters: dict, drafter: Path) -> None:
+def check_against_server(phases: list[Phase], counters: dict, drafter: Path, retried: int = 0) -> None:
     """The per-request records must add up to the server's own counters: a response field
-    that changed shape would otherwise skew every number silently."""
+    that changed shape would otherwise skew every number silently. After ``retried``
+    requests the server may hold drafts of attempts whose responses never arrived, and the
+    cause is then far more likely than a changed vLLM."""
     total = merged(t for phase in phases for t in phase.categories.values())
     steps = sum(total.histogram)
     accepted = sum(j * n for j, n in enumerate(total.histogram))
@@ -240,13 +242,22 @@ def check_against_server(phases: list[Phase], counters: dict, drafter: Path) -> 
             f"vLLM reported no drafts while serving {drafter}; the drafter was not used: "
             "check the server log above for a speculative-config error"
         )
-    if (steps, accepted) != (counters["drafts"], counters["accepted_tokens"]):
+    if (steps, accepted) == (counters["drafts"], counters["accepted_tokens"]):
+        return
+    disagreement = (
+        f"the responses' acceptance records ({steps} steps, {accepted} accepted) disagree with the "
+        f"server's counters ({counters['drafts']} drafts, {counters['accepted_tokens']} accepted)"
+    )
+    if retried:
         raise EvaluationError(
-            f"the responses' acceptance records ({steps} steps, {accepted} accepted) disagree with the "
-            f"server's counters ({counters['drafts']} drafts, {counters['accepted_tokens']} accepted); "
-            "the per-request spec-decode metrics of this vLLM differ from what draftsmith reads: "
-            "pin the tested vLLM release"
+            f"{disagreement} after {retried} retried request(s): an attempt that failed here may have "
+            "run on the server too. Rerun the job; if requests keep timing out, raise "
+            "evaluation.request_timeout_s"
         )
+    raise EvaluationError(
+        f"{disagreement}; the per-request spec-decode metrics of this vLLM differ from what "
+        "draftsmith reads: pin the tested vLLM release"
+    )
 
 
 def speculative_config(drafter: Path, num_speculative_tokens: int) -> dict:

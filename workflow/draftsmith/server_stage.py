@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, TypeVar
 
@@ -105,6 +105,9 @@ class ServerStage(Generic[Item]):
     noun: str
     name: Callable[[Item], str] = str  # an item as messages name it
     error: type[StageError] = StageError  # the stage's own error class
+    # Attempts sent again. A request that timed out here may have run on the server all the
+    # same: a check against the server's own counters must allow for it (evaluate).
+    retried: int = field(default=0, init=False)
 
     def begin(self, granted_gpus: int | None, staging: Path | None = None) -> None:
         """Steps 1 and 2: refuse a slot too small for the server; open the staging."""
@@ -173,6 +176,7 @@ class ServerStage(Generic[Item]):
                 if number >= attempts or isinstance(error, not_retried()):
                     return None, reason
                 log(f"{self.name(item)}: attempt {number}/{attempts} failed ({reason}); retrying")
+                self.retried += 1
                 await asyncio.sleep(min(2.0**number, MAX_BACKOFF_S))
 
     def check_failures(self, failures: Mapping[Item, str], total: int, kept: str) -> None:
