@@ -8,9 +8,8 @@ STAMP := $(VENV)/.installed
 demo: $(STAMP)
 	$(VENV)/bin/snakemake --cores all --resources gpu=8
 
-# Two workers, a test file each at a time, longest files first (tests/conftest.py says why).
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest
 
 # Every module's logic without vLLM, training or the demo target: under 2 minutes.
 test-fast: $(STAMP)

@@ -7,7 +7,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-from filelock import FileLock
 
 from draftsmith.demo_model import build_demo_model
 
@@ -43,48 +42,19 @@ SLOW_MARKERS = {"vllm", "e2e", "slurm", "training"}
 SLOW_FIXTURES = {"demo_target"}
 
 
-# `make test` runs the suite in two pytest-xdist workers, a file per worker at a time
-# (`--dist loadfile --no-loadscope-reorder`: a module's fixture, such as an end-to-end run,
-# runs once). Most of a vLLM test is single-threaded imports in three processes one after
-# another, so a second worker uses the core the first leaves idle. The files are handed out
-# in this order, longest first, so that the end-to-end runs start at once on separate
-# workers and the short files fill in around them.
-LONGEST_FIRST = ("test_workflow.py", "test_deepseek.py", "test_slurm.py", "test_faults.py", "test_extract.py")
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         marked = {mark.name for mark in item.iter_markers()}
         if marked & SLOW_MARKERS or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-    rank = {name: position for position, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: same order within a file
-
-
-def built_once(tmp_path_factory: pytest.TempPathFactory, worker_id: str, name: str, build) -> Path:
-    """`build(path)` once per test run, shared by every xdist worker: the first worker builds
-    under the run's temp root while the others wait on the lock; a build that failed half way
-    has no `.built` mark and is redone."""
-    root = tmp_path_factory.getbasetemp()
-    if worker_id != "master":  # each worker has a temp dir of its own under the run's
-        root = root.parent
-    path = root / name
-    with FileLock(root / f"{name}.lock"):
-        if not (root / f"{name}.built").exists():
-            shutil.rmtree(path, ignore_errors=True)
-            build(path)
-            (root / f"{name}.built").touch()
-    return path
 
 
 @pytest.fixture(scope="session")
-def demo_target(tmp_path_factory, worker_id) -> Path:
+def demo_target(tmp_path_factory) -> Path:
     """The demo's tiny Llama, trained long enough to answer in its synthetic language."""
-
-    def build(path: Path) -> None:
-        build_demo_model(path / "demo_model", train_seconds=0, max_steps=400, seed=0, eval_per_task=0)
-
-    return built_once(tmp_path_factory, worker_id, "target", build) / "demo_model"
+    path = tmp_path_factory.mktemp("target") / "demo_model"
+    build_demo_model(path, train_seconds=0, max_steps=400, seed=0, eval_per_task=0)
+    return path
 
 
 @pytest.fixture(scope="session")
