@@ -1,11 +1,14 @@
 """The guard stops a command's whole process tree when the job that started it is SIGKILLed;
 servers and trainers run without Snakemake's thread caps."""
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+
+import psutil
 
 from draftsmith import guard
 
@@ -98,3 +101,65 @@ def test_the_death_watch_interrupts_a_job_started_with_sigint_ignored():
         timeout=50,
     )
     assert job.returncode == 3, job.stderr[-2000:]
+
+
+# A stage as the workflow runs it: run_main, one guarded server stand-in, then long work.
+STAGE = """
+import pathlib, subprocess, sys, time
+from draftsmith.cli import run_main
+from draftsmith.guard import guarded, stop_process_group
+
+def main():
+    server = subprocess.Popen(guarded(["sleep", "300"]), start_new_session=True)
+    pathlib.Path("pids").write_text(f"{__import__('os').getpid()} {server.pid}")
+    try:
+        time.sleep(300)
+    finally:
+        stop_process_group(server)
+
+run_main(main)
+"""
+SNAKEFILE = f"""
+rule job:
+    output: "done"
+    log: "job.log"
+    shell: "{sys.executable} stage.py > {{log}} 2>&1 && touch {{output}}"
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_job_stops_with_its_servers_when_snakemake_alone_is_sigkilled(tmp_path):
+    """kill -9 of Snakemake's pid (not its group) orphans its jobs; each stage sees its
+    launcher go and stops, and its guard takes the server down with it."""
+    (tmp_path / "stage.py").write_text(STAGE)
+    (tmp_path / "Snakefile").write_text(SNAKEFILE)
+    snakemake = subprocess.Popen(
+        [sys.executable, "-m", "snakemake", "--cores", "1"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # for the cleanup below only
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "pids").exists() or len((tmp_path / "pids").read_text().split()) < 2:
+            assert snakemake.poll() is None and time.monotonic() < deadline, "the job did not start"
+            time.sleep(0.2)
+        stage, server = map(int, (tmp_path / "pids").read_text().split())
+        snakemake.kill()  # the pid alone, as kill -9 or the OOM killer would
+        snakemake.wait()
+        deadline = time.monotonic() + 20
+        while alive(stage) or group_members(server):
+            assert time.monotonic() < deadline, f"left running: stage {alive(stage)}, server {group_members(server)}"
+            time.sleep(0.2)
+        assert "the workflow that launched this job" in (tmp_path / "job.log").read_text()
+        assert not (tmp_path / "done").exists()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(snakemake.pid, signal.SIGKILL)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.guard import stop_with_launcher
 from draftsmith.progress import log
 from draftsmith.settings import stage_view
 
@@ -27,6 +28,7 @@ def read_settings(value: str, stage: str) -> dict:
 
 
 def run_main(main: Callable[[], None]) -> None:
+    stop_with_launcher(lambda message: log(f"ERROR: {message}"))
     try:
         main()
     except DraftsmithError as error:

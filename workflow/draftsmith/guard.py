@@ -8,6 +8,8 @@ orphans the rest, and they keep the GPUs. PR_SET_PDEATHSIG on the top process al
 not help: it reaches that process, not its children. So the guard leads a process group
 of its own, asks the kernel for SIGTERM when its parent (the stage) dies, however it died,
 and then stops the whole group: SIGTERM, a grace period, SIGKILL.
+
+One link up, the stage itself dies with the workflow that launched it (``stop_with_launcher``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 PR_SET_PDEATHSIG = 1
@@ -35,6 +38,58 @@ THREAD_CAPS = (
     "VECLIB_MAXIMUM_THREADS",
     "NUMEXPR_NUM_THREADS",
 )
+
+
+# A rule's `shell:` command runs under a shell of Snakemake's; the launcher is above it.
+SHELLS = frozenset({"bash", "sh", "dash", "zsh"})
+LAUNCHER_POLL_S = 1.0
+
+
+def restore_sigint() -> None:
+    """`nohup snakemake ... &` starts every job with SIGINT ignored (a shell's background jobs
+    are), and an interruption sent to the main thread would then be lost. Restores Python's
+    handler; a no-op outside the main thread."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def interrupt_main_thread() -> None:
+    """KeyboardInterrupt in the main thread, wherever it is (asyncio.run cancels its tasks on
+    it): the stage's ``finally`` blocks stop its servers and trainers."""
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+
+def stop_with_launcher(announce) -> None:
+    """Interrupt this job when the process that launched it (Snakemake, its SLURM job step, a
+    test) dies, calling ``announce(message)`` first.
+
+    Snakemake stops its jobs when interrupted or terminated, but a SIGKILL to Snakemake alone
+    (``kill -9``, the OOM killer, a wrapper whose subprocess.run timed out) leaves them running:
+    a trainer or a TP=8 server would hold the GPUs for hours, and the rerun would start a
+    second one beside it. The kernel has no parent-death signal for a grandparent, so a
+    thread polls it. Call from the main thread."""
+    import psutil  # here, not at the top: the guard's own start stays light
+
+    launcher = psutil.Process().parent()
+    if launcher is not None and launcher.name() in SHELLS:
+        launcher = launcher.parent()
+    if launcher is None or launcher.pid == 1:
+        return  # already orphaned, or started by init: nothing to outlive
+    restore_sigint()
+
+    def watch() -> None:
+        try:
+            while launcher.is_running() and launcher.status() != psutil.STATUS_ZOMBIE:
+                time.sleep(LAUNCHER_POLL_S)
+        except psutil.NoSuchProcess:
+            pass
+        announce(
+            f"the workflow that launched this job (pid {launcher.pid}) is gone; stopping this job "
+            "and its servers and trainers. Finished work is kept: rerun the same command"
+        )
+        interrupt_main_thread()
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
 
 def uncapped_environment(**extra: str) -> dict[str, str]:

