@@ -1,6 +1,8 @@
 """Shared fixtures: the demo target model, built once per test session."""
 
+import json
 import os
+import platform
 import shutil
 import time
 import uuid
@@ -47,6 +49,53 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         marked = {mark.name for mark in item.iter_markers()}
         if marked & SLOW_MARKERS or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+# Where the whole suite's time goes, written by every run of the whole suite (`make test`, CI):
+# each test's setup + call + teardown seconds, slowest first. A module fixture's cost (an e2e
+# run) lands on the first test that uses it.
+SUITE_DURATIONS = ROOT / "bench/results/suite_durations.json"
+_durations: dict[str, float] = {}
+_outcomes: dict[str, str] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+    if report.when == "call" or report.outcome != "passed":
+        _outcomes[report.nodeid] = report.outcome
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    whole_suite = config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.markexpr
+    if not whole_suite or config.option.keyword or not _durations:
+        return
+    tests = sorted(_durations.items(), key=lambda item: -item[1])
+    SUITE_DURATIONS.write_text(
+        json.dumps(
+            {
+                "total_s": round(sum(_durations.values()), 1),
+                "tests": len(tests),
+                "exit_status": int(exitstatus),
+                "machine": f"{os.cpu_count()} cores, {platform.machine()}",
+                "by_module_s": _by_module(tests),
+                "slowest_first": [
+                    {"test": nodeid, "s": round(seconds, 2), "outcome": _outcomes.get(nodeid, "")}
+                    for nodeid, seconds in tests
+                ],
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+
+
+def _by_module(tests: list[tuple[str, float]]) -> dict[str, float]:
+    modules: dict[str, float] = {}
+    for nodeid, seconds in tests:
+        module = nodeid.split("::", 1)[0]
+        modules[module] = round(modules.get(module, 0.0) + seconds, 1)
+    return dict(sorted(modules.items(), key=lambda item: -item[1]))
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,59 @@
+"""The serve command: the target with the trained drafter, served as the evaluation served it."""
+
+import json
+
+import pytest
+import yaml
+from snakemake.utils import validate
+from test_serving import TINY_MLA
+
+from draftsmith import serve
+from draftsmith.layout import Layout
+from draftsmith.server import VLLM_SERVER_MODULE
+from draftsmith.serving import MLA_DISABLE_ENV
+
+
+def finished_run(tmp_path, target_config: dict) -> Layout:
+    """A results_dir as a finished run leaves it: the run config record and the serving config."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(target_config))
+    config = yaml.safe_load(open("config/config.yaml"))
+    validate(config, "workflow/schemas/config.schema.yaml")
+    config["target"]["model"] = str(model)
+    results = Layout(tmp_path / "results")
+    results.run_config.parent.mkdir(parents=True)
+    results.run_config.write_text(json.dumps(config))
+    drafter = {"model": str(tmp_path / "drafter"), "method": "eagle3", "num_speculative_tokens": 3}
+    results.speculative_config.write_text(json.dumps(drafter))
+    return results
+
+
+def test_an_mla_target_is_served_on_cpu_with_mla_disabled_through_the_module_entry_point(tmp_path):
+    results = finished_run(tmp_path, TINY_MLA)
+    run_config = json.loads(results.run_config.read_text())
+    spec = serve.speculative_config(results, num_speculative_tokens=1)
+    argv, env = serve.server_command(run_config, spec, "0.0.0.0", 8123, ["--max-num-seqs", "4"])
+    assert argv[1:3] == ["-m", VLLM_SERVER_MODULE]
+    assert argv[argv.index("--host") + 1] == "0.0.0.0" and argv[argv.index("--port") + 1] == "8123"
+    served = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert served == {**json.loads(results.speculative_config.read_text()), "num_speculative_tokens": 1}
+    assert argv[-2:] == ["--max-num-seqs", "4"]
+    assert env[MLA_DISABLE_ENV] == "1"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"  # the config's server.env
+
+
+def test_a_target_without_mla_keeps_its_attention(tmp_path):
+    results = finished_run(tmp_path, {"num_hidden_layers": 6, "hidden_size": 128, "vocab_size": 230})
+    run_config = json.loads(results.run_config.read_text())
+    spec = serve.speculative_config(results, None)
+    argv, env = serve.server_command(run_config, spec, "127.0.0.1", 8000, [])
+    assert MLA_DISABLE_ENV not in env
+    assert json.loads(argv[argv.index("--speculative-config") + 1])["num_speculative_tokens"] == 3
+
+
+def test_an_unfinished_run_is_named_with_the_fix(tmp_path):
+    results = finished_run(tmp_path, TINY_MLA)
+    results.speculative_config.unlink()
+    with pytest.raises(serve.ServeError, match="drafter_speculative_config.json not found: run the workflow"):
+        serve.main(["--results-dir", str(results.results)])
