@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import copy_workflow
+from serve_check import serve_and_measure
 from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.e2e
@@ -64,3 +65,11 @@ def test_the_drafter_reads_the_extracted_layers(deepseek_run):
     drafter = json.loads((deepseek_run / "drafter/config.json").read_text())
     assert manifest["vllm_layer_ids"] == [2, 3, 5, 6] and manifest["hidden_size"] == 256
     assert drafter["eagle_aux_hidden_state_layer_ids"] == [2, 3, 5]
+
+
+def test_the_serve_command_serves_the_drafter_to_an_openai_client(deepseek_run):
+    """The README's serve command on the finished run: speculative decoding with the drafter
+    (on CPU this MLA target needs VLLM_MLA_DISABLE=1, which the command sets), and Ctrl-C
+    stops the server's whole group."""
+    acceptance = serve_and_measure(deepseek_run.parents[1], RESULTS)
+    assert acceptance > 2, acceptance

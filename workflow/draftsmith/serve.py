@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import signal
 import subprocess
 import sys
@@ -78,7 +79,7 @@ def serve(args: argparse.Namespace) -> None:
     model = argv[argv.index("--served-model-name") + 1]
     endpoint = Endpoint(f"http://{args.host}:{args.port}/v1", args.api_key or "", model)
     extra = {"VLLM_API_KEY": args.api_key} if args.api_key else {}
-    log(f"starting vLLM: {' '.join(argv)}")
+    log(f"starting vLLM: {shlex.join(argv)}")
     if env:
         log(f"with environment {env}")
     process = subprocess.Popen(guarded(argv), env=uncapped_environment(**env, **extra), start_new_session=True)

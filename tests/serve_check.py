@@ -1,0 +1,68 @@
+"""A finished run served by `python -m draftsmith.serve`, as a user would: an OpenAI client's
+chat requests, the server's own spec-decode counters, and Ctrl-C leaving nothing behind."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from conftest import ROOT, heavy_processes_after
+from openai import OpenAI
+
+from draftsmith.evaluate import spec_decode_counters
+from draftsmith.server import free_port
+
+
+def wait_for_health(url: str, process: subprocess.Popen, log: Path, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, log.read_text()[-3000:]
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise AssertionError(f"not ready in {timeout_s}s: {log.read_text()[-3000:]}")
+
+
+def serve_and_measure(workdir: Path, results_dir: str, prompts: int = 8) -> float:
+    """Start the serve command in `workdir`, send `prompts` counting chats, stop it with SIGINT
+    (Ctrl-C); returns the acceptance length from the server's counters."""
+    port = free_port()
+    log = workdir / f"serve-{port}.log"
+    with open(log, "wb") as output:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "draftsmith.serve", "--results-dir", results_dir, "--port", str(port)],
+            cwd=workdir,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_health(url, process, log)
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+        model = client.models.list().data[0].id
+        lines = (ROOT / "config/demo_sets/counting.jsonl").read_text().splitlines()[:prompts]
+        for line in lines:
+            reply = client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": json.loads(line)["prompt"]}],
+                max_tokens=64,
+                temperature=0,
+            )
+            assert reply.choices[0].message.content
+        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+            counters = spec_decode_counters(response.read().decode())
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=120)
+    assert heavy_processes_after(30) == [], log.read_text()[-3000:]
+    assert "Ctrl-C stops it" in log.read_text()
+    assert counters["drafts"] > 0, counters
+    return 1 + counters["accepted_tokens"] / counters["drafts"]
