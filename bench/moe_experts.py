@@ -43,7 +43,7 @@ def seconds_per_step(implementation: str, steps: int, warmup: int) -> dict:
         optimizer.zero_grad()
     per_step = (time.perf_counter() - started) / steps
     print(f"{implementation}: {per_step:.3f} s/step", flush=True)
-    return {"s_per_step": round(per_step, 4), "loss_after": round(float(loss), 5), "steps_timed": steps}
+    return {"s_per_step": round(per_step, 4), "loss_after": round(loss.item(), 5), "steps_timed": steps}
 
 
 def main() -> None:
