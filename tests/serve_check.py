@@ -5,29 +5,13 @@ import json
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 from conftest import ROOT, heavy_processes_after
 from openai import OpenAI
 
-from draftsmith.evaluate import spec_decode_counters
-from draftsmith.server import free_port
-
-
-def wait_for_health(url: str, process: subprocess.Popen, log: Path, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert process.poll() is None, log.read_text()[-3000:]
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise AssertionError(f"not ready in {timeout_s}s: {log.read_text()[-3000:]}")
+from draftsmith.evaluate import read_metrics, spec_decode_counters
+from draftsmith.server import Endpoint, free_port, wait_until_healthy
 
 
 def serve_and_measure(workdir: Path, results_dir: str, prompts: int = 8) -> float:
@@ -43,10 +27,11 @@ def serve_and_measure(workdir: Path, results_dir: str, prompts: int = 8) -> floa
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    url = f"http://127.0.0.1:{port}"
+    # No API key: the serve command sets none unless asked.
+    endpoint = Endpoint(f"http://127.0.0.1:{port}/v1", "", "")
     try:
-        wait_for_health(url, process, log)
-        client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+        wait_until_healthy(process, endpoint, log, timeout_s=600)
+        client = OpenAI(base_url=endpoint.base_url, api_key="unused")
         model = client.models.list().data[0].id
         lines = (ROOT / "config/demo_sets/counting.jsonl").read_text().splitlines()[:prompts]
         for line in lines:
@@ -57,8 +42,7 @@ def serve_and_measure(workdir: Path, results_dir: str, prompts: int = 8) -> floa
                 temperature=0,
             )
             assert reply.choices[0].message.content
-        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
-            counters = spec_decode_counters(response.read().decode())
+        counters = spec_decode_counters(read_metrics(endpoint))
     finally:
         process.send_signal(signal.SIGINT)
         process.wait(timeout=120)

@@ -67,10 +67,6 @@ def server_command(
     return argv, {**spec.env, **attention.server_env()}
 
 
-def interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def serve(args: argparse.Namespace) -> None:
     results = Layout(args.results_dir)
     run_config = read_json(results.run_config, "the run's config record", "pass --results-dir of a finished run")
@@ -83,8 +79,9 @@ def serve(args: argparse.Namespace) -> None:
     if env:
         log(f"with environment {env}")
     process = subprocess.Popen(guarded(argv), env=uncapped_environment(**env, **extra), start_new_session=True)
-    # SIGTERM as Ctrl-C: both end in the finally below, which stops the whole group.
-    signal.signal(signal.SIGTERM, interrupt)
+    # SIGTERM as Ctrl-C (Python's own handler raises KeyboardInterrupt): both end in the
+    # finally below, which stops the whole group.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         wait_until_healthy(process, endpoint, None, float(run_config["server"]["startup_timeout_s"]))
         log(
