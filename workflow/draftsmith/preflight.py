@@ -33,7 +33,7 @@ import typing
 from importlib import metadata
 from pathlib import Path
 
-from draftsmith import vllm_cpu_rope, vllm_cpu_sampling
+from draftsmith import vllm_cpu_amx, vllm_cpu_rope, vllm_cpu_sampling
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_config
 from draftsmith.errors import DraftsmithError
@@ -126,6 +126,7 @@ def check_required_names() -> list[str]:
 VLLM_PLUGINS = {
     vllm_cpu_rope: "serves DeepSeek/Kimi targets wrong",
     vllm_cpu_sampling: "samples speculative decoding at garbage temperatures",
+    vllm_cpu_amx: "crashes on AMX hosts (SIGILL in its attention kernel)",
 }
 
 
