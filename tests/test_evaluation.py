@@ -6,6 +6,7 @@ top-level keys acceptance.json keeps, and the check against the server's counter
 """
 
 import json
+from dataclasses import asdict
 
 import pytest
 import yaml
@@ -13,8 +14,15 @@ from conftest import ROOT
 from snakemake.utils import validate
 
 from draftsmith import evaluation_sets
-from draftsmith.evaluate import EvaluationError, Phase, Tally, acceptance_length, check_against_server
-from draftsmith.evaluation_summary import per_position, run, summarize
+from draftsmith.evaluate import (
+    EvaluationError,
+    Phase,
+    Tally,
+    acceptance_length,
+    check_against_server,
+    relative_spread,
+)
+from draftsmith.evaluation_summary import per_position, run, summarize, tables_html
 from draftsmith.settings import concurrencies, draft_lengths, evaluation_samplings, tracked_settings
 
 SCHEMA = str(ROOT / "workflow/schemas/config.schema.yaml")
@@ -165,6 +173,57 @@ def test_the_summary_writes_the_report_files_and_the_untrained_comparison(tmp_pa
     assert outputs["acceptance_plot"].stat().st_size > 10_000 and outputs["speedup_plot"].stat().st_size > 10_000
     html = outputs["tables"].read_text()
     assert "Recommended draft length" in html and "<td>sql</td>" in html
+
+
+def test_the_spread_is_two_standard_errors_of_the_requests_mean_speed():
+    tally = Tally()
+    for tokens in (10, 20, 30):  # 10, 20 and 30 tok/s: mean 20, standard deviation 10
+        tally.add(response(tokens), 1.0)
+    assert relative_spread(tally) == pytest.approx(2 * 10 / 3**0.5 / 20)
+    steady = Tally()
+    for _ in range(3):
+        steady.add(response(20), 1.0)
+    assert relative_spread(steady) == 0.0 and relative_spread(Tally()) == 0.0
+
+
+def measured_job(k, request_tokens: list[int], seconds: float) -> dict:
+    """One greedy held-out phase at concurrency 8 whose requests each took 1 s, tallied as
+    evaluate.py tallies them; a drafter of length k accepts all its drafts."""
+    tally = Tally()
+    for tokens in request_tokens:
+        tally.add(response(tokens, None if k is None else [0] * k + [1]), 1.0)
+    categories = {"all": asdict(tally)}
+    phases = [{"set": "heldout", "concurrency": 8, "sampling": {"temperature": 0.0}, "seconds": seconds}]
+    return {"num_speculative_tokens": k, "phases": [phases[0] | {"categories": categories}], "mla_disabled": False}
+
+
+@pytest.mark.parametrize(
+    "request_tokens, chosen, chosen_by",
+    [
+        # Requests from 40 to 120 tok/s: k=1's 5% lead is well inside the spread (±24%).
+        ([40, 60, 80, 100, 120] * 2, 3, "acceptance length"),
+        # Every request at 80 tok/s: no spread, and the faster k=1 wins.
+        ([80] * 10, 1, "throughput"),
+    ],
+)
+def test_a_lead_within_the_spread_leaves_the_choice_to_acceptance(request_tokens, chosen, chosen_by):
+    baseline = measured_job(None, request_tokens, 2.0)
+    drafters = {k: measured_job(k, request_tokens, seconds) for k, seconds in ((1, 1.0), (3, 1.05))}
+    for k, job in drafters.items():
+        job["drafter"] = f"drafter-{k}"
+    result = summarize(settings([3, 1], 8), baseline, drafters, None)
+    (row,) = result["recommendation"]
+    assert row["tokens_per_s_by_draft_length"] == {"1": 800.0, "3": pytest.approx(761.9)}
+    assert (row["num_speculative_tokens"], row["chosen_by"]) == (chosen, chosen_by)
+    assert row["within_noise"] == ([1, 3] if chosen_by == "acceptance length" else [1])
+    assert row["acceptance_length_by_draft_length"] == {"1": 2.0, "3": 4.0}
+    assert row["speculative_config"]["num_speculative_tokens"] == chosen
+    html = tables_html(result)
+    if chosen_by == "acceptance length":
+        assert row["spread_by_draft_length"]["1"] == pytest.approx(800 * 0.2357, abs=0.5)
+        assert "k=1, k=3 within noise: longest acceptance" in html and "800 ± 188" in html
+    else:
+        assert row["spread_by_draft_length"] == {"1": 0.0, "3": 0.0} and "fastest beyond noise" in html
 
 
 def write_jsonl(path, rows):

@@ -179,6 +179,12 @@ def test_the_sweep_measures_every_set_category_draft_length_concurrency_and_samp
         (8, 0.7),
         (4, 0.7),
     }
+    # Every throughput carries its spread; the choice is among the draft lengths within noise
+    # of the fastest, which include it.
+    for row in result["recommendation"]:
+        assert all(spread > 0 for spread in row["spread_by_draft_length"].values()), row
+        fastest = max(row["tokens_per_s_by_draft_length"], key=row["tokens_per_s_by_draft_length"].get)
+        assert int(fastest) in row["within_noise"] and row["num_speculative_tokens"] in row["within_noise"], row
     chosen = next(r for r in result["recommendation"] if (r["concurrency"], r["temperature"]) == (8, 0.0))
     served = json.loads((demo_run / "results/drafter_speculative_config.json").read_text())
     assert served == chosen["speculative_config"]

@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import time
 import urllib.request
 from collections import defaultdict
@@ -78,11 +79,19 @@ class Tally:
     request_seconds: float = 0.0
     histogram: list[int] = field(default_factory=list)
     draft_tokens: int = 0
+    # Sums of each request's own speed (tokens / its latency) and of its square: they add up
+    # over phases and sets like the counts do, and give the measurement its spread.
+    speed_sum: float = 0.0
+    speed_squares: float = 0.0
 
     def add(self, response: dict, seconds: float) -> None:
+        tokens = response["usage"]["completion_tokens"]
         self.requests += 1
-        self.completion_tokens += response["usage"]["completion_tokens"]
+        self.completion_tokens += tokens
         self.request_seconds += seconds
+        if seconds > 0:
+            self.speed_sum += tokens / seconds
+            self.speed_squares += (tokens / seconds) ** 2
         spec = (response.get("metrics") or {}).get("speculative_decoding")
         if spec:
             self.histogram = summed(self.histogram, spec["acceptance_histogram"])
@@ -221,7 +230,26 @@ def merged(tallies) -> Tally:
         total.request_seconds += tally.request_seconds
         total.draft_tokens += tally.draft_tokens
         total.histogram = summed(total.histogram, tally.histogram)
+        total.speed_sum += tally.speed_sum
+        total.speed_squares += tally.speed_squares
     return total
+
+
+def relative_spread(tally: Tally) -> float:
+    """The spread of a speed measured on these requests, as a share of it: two standard errors
+    of the mean per-request speed over that mean (about a 95% interval).
+
+    Why per request: a phase is one wall-clock measurement, so its throughput has no spread
+    of its own, and repeating every phase would double the evaluation. The requests' own
+    speeds vary with the prompt, the batch they shared and the machine's other work; their
+    mean is known to within this share, and a throughput built from the same requests is
+    taken to be known as well as that mean."""
+    n = tally.requests
+    if n < 2 or tally.speed_sum <= 0:
+        return 0.0
+    mean = tally.speed_sum / n
+    variance = max(tally.speed_squares / n - mean**2, 0.0) * n / (n - 1)
+    return 2 * math.sqrt(variance / n) / mean
 
 
 def acceptance_length(tally: Tally) -> float:

@@ -6,7 +6,10 @@ Reads the baseline job and one job per draft length (``evaluate.py``) and writes
   length and concurrency, greedy; beside that, ``results`` (every set, category, draft
   length, concurrency and sampling) and ``recommendation``;
 - the recommendation: for each concurrency and sampling, the draft length with the best
-  measured throughput over all sets together;
+  measured throughput over all sets together. Each throughput carries its spread
+  (``evaluate.relative_spread``); when other draft lengths come within the spread of the
+  fastest, the recommendation says so and takes, of those, the one with the longest
+  acceptance: a difference the measurement cannot tell apart should not decide;
 - ``drafter_speculative_config.json``: vLLM's ``--speculative-config`` for the draft length
   recommended at the default (first) concurrency, greedy. The recommendation table gives
   the config for every other concurrency;
@@ -21,6 +24,8 @@ from __future__ import annotations
 import argparse
 import html
 import json
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -30,7 +35,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from draftsmith.atomic import atomic_write_text  # noqa: E402
 from draftsmith.cli import SETTINGS_HELP, read_settings  # noqa: E402
-from draftsmith.evaluate import Tally, acceptance_length, merged, speculative_config  # noqa: E402
+from draftsmith.evaluate import (  # noqa: E402
+    Tally,
+    acceptance_length,
+    merged,
+    relative_spread,
+    speculative_config,
+)
 from draftsmith.evaluation_sets import HELDOUT, NO_CATEGORY  # noqa: E402
 from draftsmith.progress import log  # noqa: E402
 from draftsmith.settings import concurrencies, draft_lengths  # noqa: E402
@@ -66,6 +77,11 @@ def _speed(tokens: int, seconds: float) -> float:
     return round(tokens / seconds, 2) if seconds else 0.0
 
 
+def _spread(tally: Tally, speed: float) -> float:
+    """± tokens per second of a speed measured on ``tally``'s requests."""
+    return round(speed * relative_spread(tally), 2)
+
+
 def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 3) if b else None
 
@@ -86,17 +102,18 @@ def result_rows(drafter: dict, baseline: dict) -> list[dict]:
             "temperature": temperature(phase["sampling"]),
             "set": phase["set"],
         }
+        with_drafter = _speed(whole.completion_tokens, phase["seconds"])
+        without = _speed(base_whole.completion_tokens, base["seconds"])
         rows.append(
             {
                 **common,
                 "category": WHOLE_SET,
                 **_acceptance(whole, k),
-                "tokens_per_s_with_drafter": _speed(whole.completion_tokens, phase["seconds"]),
-                "tokens_per_s_without_drafter": _speed(base_whole.completion_tokens, base["seconds"]),
-                "speedup": _ratio(
-                    _speed(whole.completion_tokens, phase["seconds"]),
-                    _speed(base_whole.completion_tokens, base["seconds"]),
-                ),
+                "tokens_per_s_with_drafter": with_drafter,
+                "tokens_per_s_with_drafter_spread": _spread(whole, with_drafter),
+                "tokens_per_s_without_drafter": without,
+                "tokens_per_s_without_drafter_spread": _spread(base_whole, without),
+                "speedup": _ratio(with_drafter, without),
                 "with_drafter_seconds": round(phase["seconds"], 3),
                 "without_drafter_seconds": round(base["seconds"], 3),
             }
@@ -129,42 +146,80 @@ def _request_speeds(tally: Tally, base: Tally | None) -> dict:
     without = _speed(base.completion_tokens, base.request_seconds) if base else 0.0
     return {
         "request_tokens_per_s_with_drafter": with_drafter,
+        "request_tokens_per_s_with_drafter_spread": _spread(tally, with_drafter),
         "request_tokens_per_s_without_drafter": without,
+        "request_tokens_per_s_without_drafter_spread": _spread(base, without) if base else 0.0,
         "speedup": _ratio(with_drafter, without),
     }
 
 
-def pooled_throughput(job: dict) -> dict[tuple[float, int], float]:
-    """(temperature, concurrency) -> tokens per second over all sets together."""
-    tokens: dict[tuple[float, int], int] = {}
+@dataclass(frozen=True)
+class Pooled:
+    """One job's measurement at one (sampling, concurrency), all sets together."""
+
+    tokens_per_s: float
+    spread: float  # ± tokens per second
+    acceptance_length: float
+
+    def within_noise_of(self, other: Pooled) -> bool:
+        """The two throughputs differ by less than the spread of their difference."""
+        return abs(self.tokens_per_s - other.tokens_per_s) <= math.hypot(self.spread, other.spread)
+
+
+def pooled(job: dict) -> dict[tuple[float, int], Pooled]:
+    """(temperature, concurrency) -> the job's throughput over all sets together."""
+    tallies: dict[tuple[float, int], list[Tally]] = {}
     seconds: dict[tuple[float, int], float] = {}
     for phase in job["phases"]:
         key = (temperature(phase["sampling"]), phase["concurrency"])
-        tokens[key] = tokens.get(key, 0) + merged(_tallies(phase).values()).completion_tokens
+        tallies.setdefault(key, []).append(merged(_tallies(phase).values()))
         seconds[key] = seconds.get(key, 0.0) + phase["seconds"]
-    return {key: _speed(tokens[key], seconds[key]) for key in tokens}
+    measured = {}
+    for key, parts in tallies.items():
+        whole = merged(parts)
+        speed = _speed(whole.completion_tokens, seconds[key])
+        measured[key] = Pooled(speed, _spread(whole, speed), round(acceptance_length(whole), 4))
+    return measured
 
 
 def recommend(drafters: dict[int, dict], baseline: dict) -> list[dict]:
-    """For each (sampling, concurrency): the draft length with the best throughput over all sets."""
-    alone = pooled_throughput(baseline)
-    speeds = {k: pooled_throughput(job) for k, job in drafters.items()}
+    """For each (sampling, concurrency): the fastest draft length over all sets, or, of those
+    within noise of it, the one with the longest acceptance (ties: the shorter draft)."""
+    alone = pooled(baseline)
+    measured = {k: pooled(job) for k, job in drafters.items()}
     rows = []
     for key in sorted(alone):
-        best = max(speeds, key=lambda k: speeds[k][key])
+        at = {k: measured[k][key] for k in sorted(measured)}
+        fastest = max(at, key=lambda k: at[k].tokens_per_s)
+        tied = [k for k in at if at[k].within_noise_of(at[fastest])]
+        best = max(tied, key=lambda k: (at[k].acceptance_length, -k))
         rows.append(
             {
                 "temperature": key[0],
                 "concurrency": key[1],
                 "num_speculative_tokens": best,
-                "tokens_per_s_with_drafter": speeds[best][key],
-                "tokens_per_s_without_drafter": alone[key],
-                "speedup": _ratio(speeds[best][key], alone[key]),
-                "tokens_per_s_by_draft_length": {str(k): speeds[k][key] for k in sorted(speeds)},
+                "chosen_by": "throughput" if len(tied) == 1 else "acceptance length",
+                "within_noise": tied,
+                "tokens_per_s_with_drafter": at[best].tokens_per_s,
+                "tokens_per_s_with_drafter_spread": at[best].spread,
+                "tokens_per_s_without_drafter": alone[key].tokens_per_s,
+                "tokens_per_s_without_drafter_spread": alone[key].spread,
+                "speedup": _ratio(at[best].tokens_per_s, alone[key].tokens_per_s),
+                "tokens_per_s_by_draft_length": {str(k): at[k].tokens_per_s for k in at},
+                "spread_by_draft_length": {str(k): at[k].spread for k in at},
+                "acceptance_length_by_draft_length": {str(k): at[k].acceptance_length for k in at},
                 "speculative_config": speculative_config(Path(drafters[best]["drafter"]), best),
             }
         )
     return rows
+
+
+def choice_text(row: dict) -> str:
+    """How the draft length was chosen, in words."""
+    if row["chosen_by"] == "throughput":
+        return "fastest beyond noise"
+    others = ", ".join(f"k={k}" for k in row["within_noise"])
+    return f"{others} within noise: longest acceptance"
 
 
 def _default_measurement(job: dict, concurrency: int) -> tuple[dict, Tally]:
@@ -185,7 +240,9 @@ def legacy_fields(drafter: dict, baseline: dict, untrained: dict | None, k: int,
         "max_acceptance_length": k + 1,
         "acceptance_per_position": per_position(tally, k),
         "tokens_per_s_with_drafter": with_speed,
+        "tokens_per_s_with_drafter_spread": _spread(tally, with_speed),
         "tokens_per_s_without_drafter": without_speed,
+        "tokens_per_s_without_drafter_spread": _spread(base, without_speed),
         "speedup": _ratio(with_speed, without_speed),
         "num_speculative_tokens": k,
         "concurrency": concurrency,
@@ -282,6 +339,7 @@ def plot_speedup(result: dict, path: Path) -> None:
         style = "-o" if t_index == 0 else "--s"
         for index, k in enumerate(lengths):
             speeds = [r["tokens_per_s_by_draft_length"][str(k)] for r in rows]
+            spreads = [r.get("spread_by_draft_length", {}).get(str(k), 0.0) for r in rows]
             name = f"k={k} {_sampling_name(value)}"
             left.plot(
                 x,
@@ -290,12 +348,14 @@ def plot_speedup(result: dict, path: Path) -> None:
                 color=f"C{index}",
                 label=name,
             )
-            right.plot(x, speeds, style, color=f"C{index}", label=name)
-        right.plot(
+            right.errorbar(x, speeds, yerr=spreads, fmt=style, color=f"C{index}", capsize=3, label=name)
+        right.errorbar(
             x,
             [r["tokens_per_s_without_drafter"] for r in rows],
-            style,
+            yerr=[r.get("tokens_per_s_without_drafter_spread", 0.0) for r in rows],
+            fmt=style,
             color="black",
+            capsize=3,
             label=f"target alone {_sampling_name(value)}",
         )
     left.axhline(1.0, color="grey", linewidth=0.8)
@@ -307,7 +367,7 @@ def plot_speedup(result: dict, path: Path) -> None:
         axis.set_xlabel("concurrency (requests in flight)")
         axis.legend(fontsize="small")
     left.set(ylabel="speedup over the target alone", title="speedup, all sets together")
-    right.set(ylabel="output tokens / s", title="throughput, all sets together")
+    right.set(ylabel="output tokens / s (bars: spread)", title="throughput, all sets together")
     _save(figure, path)
 
 
@@ -318,9 +378,15 @@ def tables_html(result: dict) -> str:
             r["concurrency"],
             _sampling_name(r["temperature"]),
             r["num_speculative_tokens"],
+            choice_text(r),
             f"{r['speedup']:.2f}×" if r["speedup"] is not None else "",
-            r["tokens_per_s_with_drafter"],
-            r["tokens_per_s_without_drafter"],
+            _plus_minus(r["tokens_per_s_with_drafter"], r["tokens_per_s_with_drafter_spread"]),
+            _plus_minus(r["tokens_per_s_without_drafter"], r["tokens_per_s_without_drafter_spread"]),
+            " · ".join(
+                f"k={k}: {_plus_minus(speed, r['spread_by_draft_length'][k])}, "
+                f"AL {r['acceptance_length_by_draft_length'][k]:.2f}"
+                for k, speed in r["tokens_per_s_by_draft_length"].items()
+            ),
             json.dumps(r["speculative_config"]),
         ]
         for r in result["recommendation"]
@@ -335,6 +401,7 @@ def tables_html(result: dict) -> str:
             r["requests"],
             f"{r['acceptance_length']:.2f}",
             " / ".join(f"{a:.2f}" for a in r["acceptance_per_position"]),
+            _row_speed(r),
             f"{r['speedup']:.2f}×" if r["speedup"] is not None else "",
         ]
         for r in result["results"]
@@ -344,20 +411,24 @@ def tables_html(result: dict) -> str:
         "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}</style></head><body>"
         "<h3>Recommended draft length per concurrency (best measured throughput, all sets together)</h3>"
         f"<p>drafter_speculative_config.json holds the choice at concurrency {result['concurrency']}, greedy. "
-        "A speedup below 1× means the target alone is faster there.</p>"
+        "A speedup below 1× means the target alone is faster there. ± is the spread of a throughput "
+        "(two standard errors of its requests' mean speed); where draft lengths are within it of the "
+        "fastest, the longest acceptance (AL) decides.</p>"
         + _table(
             [
                 "concurrency",
                 "sampling",
                 "draft length",
+                "chosen by",
                 "speedup",
                 "tok/s with",
                 "tok/s without",
+                "every draft length",
                 "--speculative-config",
             ],
             recommendation,
         )
-        + "<h3>Acceptance per set and category</h3><p>Category speedups compare per-request speeds.</p>"
+        + "<h3>Acceptance per set and category</h3><p>Category speeds and speedups are per request.</p>"
         + _table(
             [
                 "set",
@@ -368,12 +439,24 @@ def tables_html(result: dict) -> str:
                 "requests",
                 "acceptance length",
                 "per position",
+                "tok/s with",
                 "speedup",
             ],
             results,
         )
         + "</body></html>\n"
     )
+
+
+def _plus_minus(value: float, spread: float) -> str:
+    return f"{value:g} ± {spread:g}"
+
+
+def _row_speed(row: dict) -> str:
+    """A set's throughput, or a category's per-request speed, with its spread."""
+    if "tokens_per_s_with_drafter" in row:
+        return _plus_minus(row["tokens_per_s_with_drafter"], row["tokens_per_s_with_drafter_spread"])
+    return _plus_minus(row["request_tokens_per_s_with_drafter"], row["request_tokens_per_s_with_drafter_spread"])
 
 
 def _table(header: list[str], rows: list[list]) -> str:
@@ -425,8 +508,8 @@ def run(
     )
     for row in result["recommendation"]:
         log(
-            f"concurrency {row['concurrency']}, {_sampling_name(row['temperature'])}: best draft length "
-            f"{row['num_speculative_tokens']} ({row['speedup']}× the target alone)"
+            f"concurrency {row['concurrency']}, {_sampling_name(row['temperature'])}: draft length "
+            f"{row['num_speculative_tokens']} ({row['speedup']}× the target alone; {choice_text(row)})"
         )
     return result
 
