@@ -3,7 +3,7 @@
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import min_version, validate
 
-from draftsmith.config_check import config_problem
+from draftsmith.config_check import config_problem, cross_field_problems
 from draftsmith.preflight import check_local_inputs
 
 min_version("9.0")
@@ -20,6 +20,8 @@ if not workflow.overwrite_configfiles:
 if problem := config_problem(config, "workflow/schemas/config.schema.yaml"):
     raise WorkflowError(problem)
 validate(config, "workflow/schemas/config.schema.yaml")
+if problems := cross_field_problems(config):
+    raise WorkflowError("\n".join(problems))
 # Paths the config names must exist, checked on every start (dry runs too): Snakemake does
 # not look at the inputs of a finished job, so a mistyped path would pass as "nothing to do".
 if missing := check_local_inputs(config):

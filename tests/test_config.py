@@ -12,7 +12,7 @@ from conftest import copy_workflow
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
-from draftsmith.config_check import config_problem
+from draftsmith.config_check import config_problem, cross_field_problems
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = str(ROOT / "workflow" / "schemas" / "config.schema.yaml")
@@ -93,16 +93,47 @@ def test_bad_configs_get_one_line_naming_the_key(change, message):
         validate(config, SCHEMA)
 
 
-def test_snakemake_reports_a_bad_config_in_one_line_without_the_schema(tmp_path):
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        (
+            ("  max_tokens: 64", "  max_tokenz: 64"),
+            f"config generation: Additional properties are not allowed ('max_tokenz' was unexpected){FIX}",
+        ),
+        (  # valid alone; with the demo's max_model_len of 512 every request would be refused
+            ("  max_tokens: 64", "  max_tokens: 100000"),
+            "config generation.max_tokens 100000 is not below server.max_model_len 512: vLLM would refuse "
+            "every request (no room for the prompt); lower generation.max_tokens or raise server.max_model_len",
+        ),
+    ],
+)
+def test_snakemake_reports_a_bad_config_in_one_line_without_the_schema(change, expected, tmp_path):
     workdir = copy_workflow(tmp_path / "wf")
-    text = (workdir / "config/config.yaml").read_text().replace("  max_tokens: 64", "  max_tokenz: 64")
-    (workdir / "config/config.yaml").write_text(text)
+    text = (workdir / "config/config.yaml").read_text()
+    assert text.index(change[0]) < text.index("evaluation:")  # generation's, the first
+    (workdir / "config/config.yaml").write_text(text.replace(*change, 1))
     run = subprocess.run([sys.executable, "-m", "snakemake", "-n"], cwd=workdir, capture_output=True, text=True)
     assert run.returncode != 0
-    expected = f"config generation: Additional properties are not allowed ('max_tokenz' was unexpected){FIX}"
     output = run.stdout + run.stderr
     assert expected in output.splitlines(), output
     assert "Failed validating" not in output  # no schema dump
+
+
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        (lambda c: c["generation"].update(max_tokens=512), "generation.max_tokens 512 is not below"),
+        (lambda c: c["evaluation"].update(max_tokens=4096), "evaluation.max_tokens 4096 is not below"),
+        (lambda c: c["dataset"].update(seq_length=600), "max_model_len 512 is below dataset.seq_length + 1 = 601"),
+    ],
+)
+def test_settings_that_cannot_work_together_are_named(change, problem):
+    config = copy.deepcopy(load("config.yaml"))
+    validate(config, SCHEMA)  # fills in the defaults, as the Snakefile does first
+    assert cross_field_problems(config) == []
+    change(config)
+    (found,) = cross_field_problems(config)
+    assert problem in found and found.startswith("config ") and "\n" not in found
 
 
 def test_every_key_is_documented():

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from snakemake.utils import validate
 
-from draftsmith import preflight
+from draftsmith import evaluation_sets, preflight
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -122,7 +122,6 @@ def test_missing_server_option_is_named(monkeypatch):
             lambda c: c["training"].update(draft_vocab_size=5000),
             "draft_vocab_size 5000 exceeds the target's vocabulary of 226",
         ),
-        (lambda c: c["dataset"].update(seq_length=600), "max_model_len 512 is below dataset.seq_length + 1 = 601"),
         (
             lambda c: c["target"].update(model="/nonexistent/model"),
             "target config /nonexistent/model/config.json not found",
@@ -134,6 +133,31 @@ def test_config_problems_are_one_clear_line(change, message, target, tmp_path):
     change(settings)
     problems = preflight.run_checks(settings, tmp_path / "results")
     assert len(problems) == 1 and message in problems[0], problems
+
+
+def test_an_unreadable_hub_set_is_named_before_anything_starts(monkeypatch, target, tmp_path):
+    """Offline (as this suite runs), a hub id nobody cached cannot be read: one line naming the
+    set and the fix, from the preflight; a local copy in the hub's layout is read instead."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    settings = demo_settings(target)
+    settings["evaluation"]["sets"]["bench"] = {"source": "nobody/no-such-set", "split": "test", "subset": None}
+    problems = preflight.run_checks(settings, tmp_path / "results")
+    assert len(problems) == 1 and "\n" not in problems[0], problems
+    assert problems[0].startswith(
+        "evaluation.sets.bench.source: cannot read nobody/no-such-set from the Hugging Face hub"
+    )
+    assert problems[0].endswith(
+        "point the source at a local copy in the hub's layout (a directory of the dataset repository's files)"
+    )
+    # The same line from the job, had the preflight been skipped.
+    with pytest.raises(evaluation_sets.EvaluationSetError) as caught:
+        evaluation_sets.set_prompts("bench", settings["evaluation"]["sets"]["bench"])
+    assert str(caught.value) == problems[0].replace(".source: ", ": ", 1)
+    copy = tmp_path / "no-such-set"
+    (copy / "data").mkdir(parents=True)
+    (copy / "data" / "test-00000-of-00001.jsonl").write_text(json.dumps({"prompt": "hi"}) + "\n")
+    settings["evaluation"]["sets"]["bench"]["source"] = str(copy)
+    assert preflight.check_hub_sources(settings) == []
 
 
 def test_unwritable_results_directory_is_named(target):

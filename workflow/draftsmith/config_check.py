@@ -1,8 +1,10 @@
-"""The config against its schema, as one clear line.
+"""The config against its schema, as one clear line, and settings that cannot work together.
 
 Snakemake's ``validate`` fills in the defaults, but reports a problem followed by a dump
 of the schema section (dozens of lines) that buries the key at fault. This check runs
-first and names the key, the problem and where to read about it.
+first and names the key, the problem and where to read about it. The cross-field checks
+run next, on the validated config: at parse time, in seconds, where a loaded server would
+otherwise refuse every request (after 25 minutes of loading on Kimi).
 """
 
 from __future__ import annotations
@@ -21,3 +23,24 @@ def config_problem(config: dict, schema_path: str | Path) -> str | None:
         return None
     where = ".".join(map(str, error.absolute_path)) or "top level"
     return f"config {where}: {error.message}; fix it in the config file (every key is described in config/README.md)"
+
+
+def cross_field_problems(config: dict) -> list[str]:
+    """Settings valid one by one that cannot work together, one line each with the fix."""
+    problems = []
+    max_model_len = config["server"]["max_model_len"]
+    for section in ("generation", "evaluation"):
+        max_tokens = config[section]["max_tokens"]
+        if max_tokens >= max_model_len:
+            problems.append(
+                f"config {section}.max_tokens {max_tokens} is not below server.max_model_len {max_model_len}: "
+                f"vLLM would refuse every request (no room for the prompt); lower {section}.max_tokens "
+                "or raise server.max_model_len"
+            )
+    seq_length = config["dataset"]["seq_length"]
+    if max_model_len < seq_length + 1:
+        problems.append(
+            f"config server.max_model_len {max_model_len} is below dataset.seq_length + 1 = {seq_length + 1}: "
+            "extraction prompts would be refused; raise server.max_model_len or lower dataset.seq_length"
+        )
+    return problems

@@ -30,6 +30,7 @@ import socket
 import sys
 import tempfile
 import typing
+from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
 
@@ -39,7 +40,7 @@ from draftsmith.cli import SETTINGS_HELP, read_config
 from draftsmith.errors import DraftsmithError
 from draftsmith.layers import LayerConfigError, resolve_layers
 from draftsmith.plan import existing_parent, plan_for, read_target_config
-from draftsmith.questions import is_local_source
+from draftsmith.questions import first_row_problem, is_local_source
 from draftsmith.serving import MLA_DISABLE_ENV, ServingError, evaluation_attention, mla_latent_problem
 
 # What draftsmith uses from vLLM, speculators and torch is declared once, next to its use:
@@ -282,27 +283,39 @@ def check_target(settings: dict) -> list[str]:
             f"training.draft_vocab_size {draft_vocab} exceeds the target's vocabulary of {vocab}; "
             f"set it to at most {vocab}"
         )
-    problems += check_serving(target, settings)
-    seq_length, max_model_len = settings["dataset"]["seq_length"], settings["server"]["max_model_len"]
-    if max_model_len < seq_length + 1:
-        problems.append(
-            f"server.max_model_len {max_model_len} is below dataset.seq_length + 1 = {seq_length + 1}: "
-            "extraction prompts would be refused; raise server.max_model_len or lower dataset.seq_length"
-        )
-    return problems
+    return problems + check_serving(target, settings)
+
+
+def configured_sources(settings: dict) -> dict[str, dict]:
+    """Every question or prompt source the config names: its key -> source, split, subset."""
+    sections = {"questions.source": settings["questions"]}
+    for name, spec in settings["evaluation"]["sets"].items():
+        sections[f"evaluation.sets.{name}.source"] = spec
+    return {
+        key: {field: section.get(field) for field in ("source", "split", "subset")} for key, section in sections.items()
+    }
 
 
 def check_local_inputs(settings: dict) -> list[str]:
     """Every local path the config names exists. Snakemake does not look at the inputs of
     a finished job, so a mistyped path after a run would otherwise pass as "nothing to do"."""
-    sources = {"questions.source": settings["questions"]["source"]}
-    for name, spec in settings["evaluation"]["sets"].items():
-        sources[f"evaluation.sets.{name}.source"] = spec["source"]
     return [
-        f"{key} {source} does not exist (a local path, not a hub id); fix the path in the config"
-        for key, source in sources.items()
-        if is_local_source(source) and not Path(source).expanduser().exists()
+        f"{key} {spec['source']} does not exist (a local path, not a hub id); fix the path in the config"
+        for key, spec in configured_sources(settings).items()
+        if is_local_source(spec["source"]) and not Path(spec["source"]).expanduser().exists()
     ]
+
+
+def check_hub_sources(settings: dict) -> list[str]:
+    """Every hub dataset the config names gives its first row, before any server loads: an
+    evaluation set that cannot be reached would otherwise fail after generation, extraction
+    and training. Read together, so an unreachable hub costs its timeout once."""
+    hub = {key: spec for key, spec in configured_sources(settings).items() if not is_local_source(spec["source"])}
+    with ThreadPoolExecutor(max_workers=max(1, len(hub))) as pool:
+        problems = pool.map(
+            lambda spec: first_row_problem(spec["source"], spec["split"] or "train", spec["subset"]), hub.values()
+        )
+    return [f"{key}: {problem}" for key, problem in zip(hub, problems, strict=True) if problem]
 
 
 def check_serving(text_config: dict, settings: dict) -> list[str]:
@@ -383,6 +396,7 @@ def run_checks(
     install_cache: Path | None = None,
 ) -> list[str]:
     problems = check_local_inputs(settings)
+    problems += check_hub_sources(settings)
     problems += check_install(install_cache)
     problems += check_writable([results])
     problems += check_loopback_port()

@@ -157,7 +157,29 @@ def read_rows(source: str, split: str = "train", subset: str | None = None) -> I
         return
     from datasets import load_dataset
 
-    yield from load_dataset(source, name=subset, split=split, streaming=True)
+    try:
+        yield from load_dataset(source, name=subset, split=split, streaming=True)
+    except (OSError, ValueError) as error:  # unreachable or offline (ConnectionError), no such id, split or subset
+        raise QuestionsError(hub_problem(source, error)) from error
+
+
+def hub_problem(source: str, error: Exception) -> str:
+    """One line for a hub dataset that cannot be read, with the fix."""
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return (
+        f"cannot read {source} from the Hugging Face hub ({type(error).__name__}: {reason}); check the id, "
+        "split and subset, or point the source at a local copy in the hub's layout (a directory of the "
+        "dataset repository's files)"
+    )
+
+
+def first_row_problem(source: str, split: str = "train", subset: str | None = None) -> str | None:
+    """Why the first row of ``source`` cannot be read, or None."""
+    try:
+        next(iter(read_rows(source, split, subset)), None)
+    except DraftsmithError as error:
+        return str(error)
+    return None
 
 
 def collect_questions(
