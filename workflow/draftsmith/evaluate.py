@@ -42,12 +42,12 @@ from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.client import SPECULATORS_CLIENT, chat_poster, open_session
 from draftsmith.evaluation_sets import read_prompts
-from draftsmith.plan import read_target_config
 from draftsmith.progress import Progress, log
 from draftsmith.server import Endpoint, ServerSpec
 from draftsmith.server_stage import RequestPolicy, ServerStage, StageError
 from draftsmith.serving import EvaluationAttention, evaluation_attention
 from draftsmith.settings import concurrencies, draft_lengths, lookup
+from draftsmith.target import read_target_config
 
 SPEC_METRIC_PREFIX = "vllm:spec_decode_num_"
 # The speculative method of the evaluation servers (vLLM's SpeculativeMethod).

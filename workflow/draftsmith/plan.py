@@ -21,6 +21,8 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.layout import HIDDEN_STATE_GLOB, Layout
 from draftsmith.progress import log
 from draftsmith.settings import draft_lengths
+from draftsmith.slot import gpus_needed
+from draftsmith.target import read_target_config
 
 BYTES_PER_VALUE = 2  # bf16, as vLLM writes the hidden states
 # Until the questions stage has run, prompts are assumed this long (chat template included).
@@ -36,24 +38,6 @@ def existing_parent(path: Path) -> Path:
     while not path.exists():
         path = path.parent
     return path
-
-
-def read_target_config(model: str) -> dict:
-    """The target's config.json (the text config of a multimodal model), or what to fix."""
-    path = Path(model) / "config.json"
-    if not path.is_file():
-        raise PlanError(
-            f"target config {path} not found; set target.model to the model directory "
-            "(for planning, a directory holding just its config.json is enough)"
-        )
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise PlanError(f"target config {path} is unreadable ({error}); fix or re-download it") from error
-    config = config.get("text_config", config)
-    if "num_hidden_layers" not in config or "hidden_size" not in config:
-        raise PlanError(f"{path} has no num_hidden_layers/hidden_size; is target.model a language model?")
-    return config
 
 
 def _count_lines(path: Path) -> int:
@@ -129,7 +113,6 @@ def plan_for(settings: dict, results: Path) -> dict:
     done = _done(layout)
     written = layout.hidden_states.glob(f"shard_*/{HIDDEN_STATE_GLOB}")
     written_bytes = sum(p.stat().st_size for p in written)
-    server = settings["server"]
     external = bool(settings["generation"].get("endpoint"))
     return {
         "questions_train": train,
@@ -152,7 +135,7 @@ def plan_for(settings: dict, results: Path) -> dict:
         "draft_lengths": len(draft_lengths(settings)),
         "compare_untrained": settings["evaluation"]["compare_untrained"],
         "gpu_slot": settings["gpu_slot"],
-        "gpus_per_server": server["tensor_parallel_size"] * server["data_parallel_size"],
+        "gpus_per_server": gpus_needed(settings),
         "done": done,
     }
 

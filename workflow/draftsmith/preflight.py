@@ -39,9 +39,11 @@ from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_config
 from draftsmith.errors import DraftsmithError
 from draftsmith.layers import LayerConfigError, resolve_layers
-from draftsmith.plan import existing_parent, plan_for, read_target_config
+from draftsmith.plan import existing_parent, plan_for
 from draftsmith.questions import first_row_problem, is_local_source
 from draftsmith.serving import MLA_DISABLE_ENV, ServingError, evaluation_attention, mla_latent_problem
+from draftsmith.slot import gpus_needed
+from draftsmith.target import draft_vocab_problem, read_target_config
 
 # What draftsmith uses from vLLM, speculators and torch is declared once, next to its use:
 # each module's THIRD_PARTY ((module, attribute) pairs; "Class.member" for a member it
@@ -276,13 +278,8 @@ def check_target(settings: dict) -> list[str]:
             f"server.tensor_parallel_size {tp} does not divide the target's {heads} attention heads; "
             f"use a divisor of {heads}"
         )
-    vocab = target.get("vocab_size")
-    draft_vocab = settings["training"]["draft_vocab_size"]
-    if vocab and draft_vocab > vocab:
-        problems.append(
-            f"training.draft_vocab_size {draft_vocab} exceeds the target's vocabulary of {vocab}; "
-            f"set it to at most {vocab}"
-        )
+    if vocab_problem := draft_vocab_problem(settings["training"]["draft_vocab_size"], target.get("vocab_size")):
+        problems.append(vocab_problem)
     return problems + check_serving(target, settings)
 
 
@@ -341,7 +338,7 @@ def check_gpus(settings: dict) -> list[str]:
         return []
     import torch
 
-    needed = settings["server"]["tensor_parallel_size"] * settings["server"]["data_parallel_size"]
+    needed = gpus_needed(settings)
     visible = torch.cuda.device_count()
     if visible < needed:
         return [f"{visible} GPU(s) visible but TP x DP = {needed}; run on a host with {needed} GPUs or lower TP/DP"]

@@ -27,10 +27,10 @@ from pathlib import Path
 from draftsmith.errors import DraftsmithError
 from draftsmith.guard import guarded, stop_process_group, uncapped_environment
 from draftsmith.layout import Layout
-from draftsmith.plan import read_target_config
 from draftsmith.progress import log
 from draftsmith.server import Endpoint, ServerSpec, wait_until_healthy
 from draftsmith.serving import evaluation_attention
+from draftsmith.target import read_target_config
 
 
 class ServeError(DraftsmithError):

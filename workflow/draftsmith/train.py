@@ -38,7 +38,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from datasets import load_from_disk
 from safetensors import safe_open
-from transformers import AutoConfig, PretrainedConfig
 
 from draftsmith.atomic import atomic_write_text, publish_directory
 from draftsmith.cli import SETTINGS_HELP, read_settings
@@ -51,6 +50,7 @@ from draftsmith.server import log_tail
 from draftsmith.settings import item_settings, trainer_processes
 from draftsmith.slot import GpuSlotError, check_gpu_slot
 from draftsmith.speculators_cpu import METRICS_FILE_ENV
+from draftsmith.target import draft_vocab_problem, read_target_config
 
 DRAFTER_FILES = ("config.json", "model.safetensors")  # what vLLM loads; no optimizer state
 # On a CPU only: no dataloader workers, attention without flex-attention's compiler, and
@@ -117,20 +117,6 @@ class TrainPaths:
 # ---------------------------------------------------------------------------------------------
 
 
-def target_text_config(target: dict) -> PretrainedConfig:
-    config = AutoConfig.from_pretrained(target["model"], trust_remote_code=target.get("trust_remote_code", False))
-    return config.get_text_config()  # multimodal targets nest the LM config
-
-
-def check_draft_vocab(draft_vocab_size: int, target_vocab_size: int) -> None:
-    # speculators itself fails with an IndexError deep in vocab_mapping.py.
-    if not 0 < draft_vocab_size <= target_vocab_size:
-        raise TrainError(
-            f"training.draft_vocab_size {draft_vocab_size} must be between 1 and the target's "
-            f"vocabulary size {target_vocab_size}; lower training.draft_vocab_size"
-        )
-
-
 def row_label(dataset: Path, row: int) -> str:
     row_ids = dataset / "row_ids.json"
     if row_ids.is_file():
@@ -170,11 +156,12 @@ def check_hidden_states(paths: TrainPaths, rows: int, stored_layers: int, hidden
 
 
 def preflight(settings: dict, paths: TrainPaths) -> LayerPlan:
-    text_config = target_text_config(settings["target"])
-    check_draft_vocab(settings["training"]["draft_vocab_size"], text_config.vocab_size)
-    plan = resolve_layers(list(settings["layers"]), text_config.num_hidden_layers)
+    text_config = read_target_config(settings["target"]["model"])
+    if problem := draft_vocab_problem(settings["training"]["draft_vocab_size"], text_config.get("vocab_size")):
+        raise TrainError(problem)
+    plan = resolve_layers(list(settings["layers"]), text_config["num_hidden_layers"])
     rows = check_dataset(paths.dataset)
-    check_hidden_states(paths, rows, len(plan.vllm_ids), text_config.hidden_size)
+    check_hidden_states(paths, rows, len(plan.vllm_ids), text_config["hidden_size"])
     log(f"checked: {rows} rows with hidden states, aux vLLM ids {plan.aux_vllm_ids}")
     return plan
 
