@@ -27,6 +27,7 @@ from pathlib import Path
 from draftsmith.atomic import atomic_write_text, publish_directory
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.errors import DraftsmithError
+from draftsmith.layout import ROW_IDS, TOKEN_FREQUENCIES
 from draftsmith.progress import log
 
 SPECULATORS_CLI = [sys.executable, "-m", "speculators"]
@@ -109,7 +110,7 @@ def prepare_data_command(settings: dict, merged: Path, output: Path) -> list[str
         str(dataset["min_trainable_tokens"]),
         "--no-skip-token-freq",
         "--token-freq-path",
-        str(output / "token_freq.pt"),
+        str(output / TOKEN_FREQUENCIES),
         "--overwrite",
     ]
     if settings["target"]["trust_remote_code"]:
@@ -151,7 +152,7 @@ def run(settings: dict, completions: list[Path], staging: Path, output: Path) ->
         raise DatasetError(f"speculators prepare-data failed (exit {result.returncode}); see the log above")
 
     row_ids = row_question_ids(prepared, ids_by_row)
-    atomic_write_text(prepared / "row_ids.json", json.dumps(row_ids) + "\n")
+    atomic_write_text(prepared / ROW_IDS, json.dumps(row_ids) + "\n")
     log(f"dataset: {len(row_ids)} rows ({answers - len(row_ids)} dropped by prepare-data)")
     publish_directory(prepared, output)
 

@@ -38,12 +38,13 @@ from transformers import AutoTokenizer
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.client import SPECULATORS_CLIENT, chat_poster, open_session
+from draftsmith.layout import GENERATION_RECORDS, SUMMARY
 from draftsmith.progress import Progress, log
 from draftsmith.server import Endpoint, ServerSpec
 from draftsmith.server_stage import RequestPolicy, ServerStage, StageError
 from draftsmith.staging import matching_siblings
 
-RECORDS = "records.jsonl"
+RECORDS = GENERATION_RECORDS
 SPECULATORS_GENERATION = "speculators.cli.regenerate_responses"  # imported while the server loads
 # Third-party names this module uses; the preflight checks each exists (preflight.declared).
 THIRD_PARTY = [("speculators.cli.regenerate_responses", "regenerate_conversation")]
@@ -285,7 +286,7 @@ def run(settings: dict, questions_path: Path, staging: Path, output: Path, grant
         "asked_this_run": len(todo),
         "errors": dict(list(tally.errors.items())[:20]),
     }
-    atomic_write_text(staging / "summary.json", json.dumps(summary, indent=2) + "\n")
+    atomic_write_text(staging / SUMMARY, json.dumps(summary, indent=2) + "\n")
     stage.check_failures(
         {i: tally.errors.get(i, "not answered") for i in missing},
         len(questions),

@@ -13,12 +13,28 @@ from pathlib import Path
 
 HIDDEN_STATE_GLOB = "hs_*.safetensors"
 SHARD_MANIFEST = "manifest.json"
+# Inside a stage's directory, wherever that directory is (published, staged, a test's).
+SHARD_GLOB = "shard_*"
+GENERATION_RECORDS = "records.jsonl"  # a generation shard's staged answers
+SUMMARY = "summary.json"  # a stage's own account of its run (questions, generation)
+ROW_IDS = "row_ids.json"  # the dataset's row -> question id (prepare-data drops the ids)
+TOKEN_FREQUENCIES = "token_freq.pt"  # the dataset's token counts: the draft vocabulary
+TRAINING_METRICS = "training_metrics.json"  # published with the drafter
+
+
+def shard_file(directory: Path | str, shard: int | str) -> Path:
+    """A question or completion shard: ``shard_<n>.jsonl``."""
+    return Path(directory) / f"shard_{shard}.jsonl"
 
 
 def hidden_state_file(directory: Path | str, row: int) -> Path:
     """The file of dataset row ``row``: the name vLLM's connector path is staged under and
     the name `speculators train` reads (its FileTransfer looks up ``hs_<row>``)."""
     return Path(directory) / f"hs_{row}.safetensors"
+
+
+def heldout_file(directory: Path | str) -> Path:
+    return Path(directory) / "heldout.jsonl"
 
 
 def hidden_state_row(path: Path) -> int:
@@ -69,15 +85,15 @@ class Layout:
         return self.results / "questions"
 
     def question_shard(self, shard: int | str) -> Path:
-        return self.questions / f"shard_{shard}.jsonl"
+        return shard_file(self.questions, shard)
 
     @property
     def heldout(self) -> Path:
-        return self.questions / "heldout.jsonl"
+        return heldout_file(self.questions)
 
     @property
     def questions_summary(self) -> Path:
-        return self.questions / "summary.json"
+        return self.questions / SUMMARY
 
     # generation
     @property
@@ -85,7 +101,21 @@ class Layout:
         return self.results / "completions"
 
     def completion_shard(self, shard: int | str) -> Path:
-        return self.completions / f"shard_{shard}.jsonl"
+        return shard_file(self.completions, shard)
+
+    def completion_shards(self) -> list[Path]:
+        return sorted(self.completions.glob(f"{SHARD_GLOB}.jsonl"))
+
+    def staged_answer_files(self) -> list[Path]:
+        return sorted(self.staging_for("completions").glob(f"{SHARD_GLOB}/{GENERATION_RECORDS}"))
+
+    def extracted_shards(self) -> list[Path]:
+        return sorted(p for p in self.hidden_states.glob(SHARD_GLOB) if p.is_dir())
+
+    def hidden_state_files(self, staged: bool = False) -> list[Path]:
+        """Every hidden-state file of the published (or the staged) extraction shards."""
+        base = self.staging_for("hidden_states") if staged else self.hidden_states
+        return sorted(base.glob(f"{SHARD_GLOB}/{HIDDEN_STATE_GLOB}"))
 
     # dataset, hidden states, training
     @property
@@ -106,6 +136,10 @@ class Layout:
     @property
     def drafter(self) -> Path:
         return self.results / "drafter"
+
+    @property
+    def training_metrics(self) -> Path:
+        return self.drafter / TRAINING_METRICS
 
     @property
     def untrained_drafter(self) -> Path:

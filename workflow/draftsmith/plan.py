@@ -18,7 +18,7 @@ from pathlib import Path
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.errors import DraftsmithError
-from draftsmith.layout import HIDDEN_STATE_GLOB, Layout
+from draftsmith.layout import Layout
 from draftsmith.progress import log
 from draftsmith.settings import draft_lengths
 from draftsmith.slot import gpus_needed
@@ -64,7 +64,7 @@ def _question_counts(settings: dict, results: Path) -> tuple[int, int, str]:
 
 def _measured_tokens(results: Path) -> tuple[int, int, int] | None:
     """(answers, prompt tokens, completion tokens) from published completion shards."""
-    shards = sorted(Layout(results).completions.glob("shard_*.jsonl"))
+    shards = Layout(results).completion_shards()
     if not shards:
         return None
     answers = prompt = completion = 0
@@ -80,13 +80,11 @@ def _measured_tokens(results: Path) -> tuple[int, int, int] | None:
 
 def _done(layout: Layout) -> dict:
     """What exists in this config's results_dir (and nowhere else)."""
-    staged_answers = layout.staging_for("completions").glob("shard_*/records.jsonl")
-    staged_states = layout.staging_for("hidden_states").glob(f"shard_*/{HIDDEN_STATE_GLOB}")
     return {
-        "generation_shards_done": len(list(layout.completions.glob("shard_*.jsonl"))),
-        "answers_staged": sum(_count_lines(p) for p in staged_answers),
-        "extraction_shards_done": len([p for p in layout.hidden_states.glob("shard_*") if p.is_dir()]),
-        "hidden_state_files_staged": len(list(staged_states)),
+        "generation_shards_done": len(layout.completion_shards()),
+        "answers_staged": sum(_count_lines(p) for p in layout.staged_answer_files()),
+        "extraction_shards_done": len(layout.extracted_shards()),
+        "hidden_state_files_staged": len(layout.hidden_state_files(staged=True)),
         "drafter_done": layout.drafter.is_dir(),
         "evaluation_done": layout.acceptance.is_file(),
     }
@@ -111,8 +109,7 @@ def plan_for(settings: dict, results: Path) -> dict:
     hidden_bytes = training_tokens * layers * hidden * BYTES_PER_VALUE
     layout = Layout(results)
     done = _done(layout)
-    written = layout.hidden_states.glob(f"shard_*/{HIDDEN_STATE_GLOB}")
-    written_bytes = sum(p.stat().st_size for p in written)
+    written_bytes = sum(p.stat().st_size for p in layout.hidden_state_files())
     external = bool(settings["generation"].get("endpoint"))
     return {
         "questions_train": train,

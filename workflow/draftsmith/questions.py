@@ -24,6 +24,7 @@ from typing import Any
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.errors import DraftsmithError
+from draftsmith.layout import SUMMARY, heldout_file, shard_file
 from draftsmith.progress import log
 
 LOCAL_SUFFIXES = {".jsonl", ".json", ".parquet"}
@@ -254,8 +255,8 @@ def run(settings: dict, output_dir: Path) -> dict:
     shards, heldout = split_questions(questions, section["heldout"], section["shards"], section["seed"])
     output_dir.mkdir(parents=True, exist_ok=True)
     for index, shard in enumerate(shards):
-        write_jsonl(output_dir / f"shard_{index}.jsonl", shard)
-    write_jsonl(output_dir / "heldout.jsonl", heldout)
+        write_jsonl(shard_file(output_dir, index), shard)
+    write_jsonl(heldout_file(output_dir), heldout)
     summary = {
         "source": section["source"],
         "rows_read": counts["rows"],
@@ -267,7 +268,7 @@ def run(settings: dict, output_dir: Path) -> dict:
         "heldout": len(heldout),
         "shard_sizes": [len(s) for s in shards],
     }
-    atomic_write_text(output_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    atomic_write_text(output_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
     log(
         f"{summary['questions']} questions from {summary['rows_read']} rows "
         f"({summary['duplicates']} duplicates, {summary['bad_rows']} bad): "

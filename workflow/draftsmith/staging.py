@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from draftsmith.atomic import atomic_write_text
+from draftsmith.layout import SHARD_GLOB
 from draftsmith.progress import log
 
 FINGERPRINT = "fingerprint.json"
@@ -53,6 +54,6 @@ def matching_siblings(staging: Path) -> list[Path]:
     mine = recorded_fingerprint(staging)
     return [
         sibling
-        for sibling in sorted(staging.parent.glob("shard_*"))
+        for sibling in sorted(staging.parent.glob(SHARD_GLOB))
         if sibling != staging and recorded_fingerprint(sibling) == mine
     ]

@@ -44,7 +44,14 @@ from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.errors import DraftsmithError
 from draftsmith.guard import guarded, stop_process_group, uncapped_environment
 from draftsmith.layers import LayerPlan, resolve_layers
-from draftsmith.layout import HIDDEN_STATE_GLOB, SHARD_MANIFEST, hidden_state_file
+from draftsmith.layout import (
+    HIDDEN_STATE_GLOB,
+    ROW_IDS,
+    SHARD_MANIFEST,
+    TOKEN_FREQUENCIES,
+    TRAINING_METRICS,
+    hidden_state_file,
+)
 from draftsmith.progress import log, stderr_file
 from draftsmith.server import log_tail
 from draftsmith.settings import item_settings, trainer_processes
@@ -118,7 +125,7 @@ class TrainPaths:
 
 
 def row_label(dataset: Path, row: int) -> str:
-    row_ids = dataset / "row_ids.json"
+    row_ids = dataset / ROW_IDS
     if row_ids.is_file():
         return f"row {row} (question {json.loads(row_ids.read_text())[row]})"
     return f"row {row}"
@@ -126,8 +133,8 @@ def row_label(dataset: Path, row: int) -> str:
 
 def check_dataset(dataset: Path) -> int:
     """Number of rows; the token frequencies the draft vocabulary is built from must be there."""
-    if not (dataset / "token_freq.pt").is_file():
-        raise TrainError(f"{dataset}/token_freq.pt is missing; rerun the dataset stage")
+    if not (dataset / TOKEN_FREQUENCIES).is_file():
+        raise TrainError(f"{dataset / TOKEN_FREQUENCIES} is missing; rerun the dataset stage")
     rows = load_from_disk(str(dataset)).num_rows
     if rows == 0:
         raise TrainError(f"the dataset {dataset} has no rows; check the dataset stage's log")
@@ -195,7 +202,7 @@ def speculators_args(settings: dict, plan: LayerPlan, paths: TrainPaths) -> list
         "--target-layer-ids",
         *map(str, plan.aux_vllm_ids),
         "--token-freq-path",
-        str(paths.dataset / "token_freq.pt"),
+        str(paths.dataset / TOKEN_FREQUENCIES),
         "--draft-vocab-size",
         str(training["draft_vocab_size"]),
         "--num-layers",
@@ -268,7 +275,7 @@ def inputs_fingerprint(paths: TrainPaths) -> str:
     for name in sorted(table.column_names):
         digest.update(f"column {name}\n".encode())
         _column_digest(digest, table.column(name))
-    row_ids = paths.dataset / "row_ids.json"
+    row_ids = paths.dataset / ROW_IDS
     digest.update(row_ids.read_bytes() if row_ids.is_file() else b"no row ids")
     shards = set()
     for path in sorted(paths.hidden_states.glob(HIDDEN_STATE_GLOB)):
@@ -446,7 +453,7 @@ def publish(settings: dict, plan: LayerPlan, paths: TrainPaths, epoch_dir: Path)
     stage_drafter(epoch_dir, plan, partial)
     published = int(epoch_dir.name) if epoch_dir.name.isdigit() else None  # None: untrained
     metrics = {"published_epoch": published, "epochs": epoch_metrics(paths.metrics)}
-    atomic_write_text(partial / "training_metrics.json", json.dumps(metrics, indent=2) + "\n")
+    atomic_write_text(partial / TRAINING_METRICS, json.dumps(metrics, indent=2) + "\n")
     publish_directory(partial, paths.output)
     log(f"published epoch {epoch_dir.name} to {paths.output}")
 

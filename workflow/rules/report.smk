@@ -31,9 +31,11 @@ rule training_curves:
     localrule: True
     conda:
         CONDA_ENV
+    params:
+        metrics=path(LAYOUT.training_metrics),
     shell:
         "python -m draftsmith.report training-curves {output:q}"
-        " {input:q}/training_metrics.json 2> {log:q}"
+        " {params.metrics:q} 2> {log:q}"
 
 
 # The config and versions of the run that made the evaluation (re-written with it).
