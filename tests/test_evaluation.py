@@ -22,7 +22,8 @@ from draftsmith.evaluate import (
     check_against_server,
     relative_spread,
 )
-from draftsmith.evaluation_summary import per_position, run, summarize, tables_html
+from draftsmith.evaluation_report import tables_html
+from draftsmith.evaluation_summary import per_position, run, summarize
 from draftsmith.settings import concurrencies, draft_lengths, evaluation_samplings, tracked_settings
 
 SCHEMA = str(ROOT / "workflow/schemas/config.schema.yaml")

@@ -25,6 +25,7 @@ from draftsmith.questions import collect_questions, read_rows
 
 HELDOUT = "heldout"
 NO_CATEGORY = "all"
+WHOLE_SET = "*"  # the category of a result row that covers its whole set
 
 
 class EvaluationSetError(DraftsmithError):

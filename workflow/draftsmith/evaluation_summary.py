@@ -13,7 +13,7 @@ Reads the baseline job and one job per draft length (``evaluate.py``) and writes
 - ``drafter_speculative_config.json``: vLLM's ``--speculative-config`` for the draft length
   recommended at the default (first) concurrency, greedy. The recommendation table gives
   the config for every other concurrency;
-- the report's plots and tables.
+- the report's plots and tables (drawn by ``evaluation_report``).
 
 Throughput of a set is its tokens over its wall time. Categories share their set's
 wall time, so a category's speed is per request: its tokens over its requests' latencies.
@@ -22,32 +22,24 @@ wall time, so a category's speed is per request: its tokens over its requests' l
 from __future__ import annotations
 
 import argparse
-import html
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from draftsmith.atomic import atomic_write_text  # noqa: E402
-from draftsmith.cli import SETTINGS_HELP, read_settings  # noqa: E402
-from draftsmith.evaluate import (  # noqa: E402
+from draftsmith.atomic import atomic_write_text
+from draftsmith.cli import SETTINGS_HELP, read_settings
+from draftsmith.evaluate import (
     Tally,
     acceptance_length,
     merged,
     relative_spread,
     speculative_config,
 )
-from draftsmith.evaluation_sets import HELDOUT, NO_CATEGORY  # noqa: E402
-from draftsmith.progress import log  # noqa: E402
-from draftsmith.settings import concurrencies, draft_lengths  # noqa: E402
-
-ALL_SETS = "all sets"
-WHOLE_SET = "*"
+from draftsmith.evaluation_report import choice_text, plot_acceptance, plot_speedup, sampling_name, tables_html
+from draftsmith.evaluation_sets import HELDOUT, NO_CATEGORY, WHOLE_SET
+from draftsmith.progress import log
+from draftsmith.settings import concurrencies, draft_lengths
 
 
 def accepted_at_positions(tally: Tally, k: int) -> list[int]:
@@ -214,14 +206,6 @@ def recommend(drafters: dict[int, dict], baseline: dict) -> list[dict]:
     return rows
 
 
-def choice_text(row: dict) -> str:
-    """How the draft length was chosen, in words."""
-    if row["chosen_by"] == "throughput":
-        return "fastest beyond noise"
-    others = ", ".join(f"k={k}" for k in row["within_noise"])
-    return f"{others} within noise: longest acceptance"
-
-
 def _default_measurement(job: dict, concurrency: int) -> tuple[dict, Tally]:
     phase = next(p for p in job["phases"] if _key(p) == (0.0, concurrency, HELDOUT))
     return phase, merged(_tallies(phase).values())
@@ -272,206 +256,6 @@ def _measurement(tally: Tally, seconds: float, k: int) -> dict:
     }
 
 
-# --- the report ----------------------------------------------------------------------------
-
-
-def _sampling_name(value: float) -> str:
-    return "greedy" if value == 0 else f"T={value:g}"
-
-
-def plot_acceptance(result: dict, path: Path) -> None:
-    """Left: the held-out set per position, trained vs untrained. Right: every set and category
-    per position at the longest draft length."""
-    longest = max(row["num_speculative_tokens"] for row in result["results"])
-    rows = [
-        r
-        for r in result["results"]
-        if r["num_speculative_tokens"] == longest and r["concurrency"] == result["concurrency"]
-    ]
-    labels = [
-        f"{r['set']}{'' if r['category'] == WHOLE_SET else ' / ' + r['category']} · {_sampling_name(r['temperature'])}"
-        f"  (AL {r['acceptance_length']:.2f})"
-        for r in rows
-    ]
-    grid = [r["acceptance_per_position"] for r in rows]
-    figure, (left, right) = plt.subplots(
-        1, 2, figsize=(13, max(4, 0.4 * len(rows) + 1.5)), gridspec_kw={"width_ratios": [1, 1.4]}
-    )
-    positions = range(1, len(result["acceptance_per_position"]) + 1)
-    left.bar([p - 0.2 for p in positions], result["acceptance_per_position"], width=0.4, label="trained drafter")
-    if "untrained_acceptance_per_position" in result:
-        left.bar(
-            [p + 0.2 for p in positions],
-            result["untrained_acceptance_per_position"],
-            width=0.4,
-            label="untrained drafter",
-        )
-    left.set(
-        xlabel="draft position",
-        ylabel="acceptance rate",
-        ylim=(0, 1.05),
-        title=f"held-out, k={result['num_speculative_tokens']}: acceptance length "
-        f"{result['acceptance_length']:.2f} of {result['max_acceptance_length']}",
-    )
-    left.set_xticks(list(positions))
-    left.legend()
-    image = right.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
-    right.set_yticks(range(len(labels)), labels, fontsize="small")
-    right.set_xticks(range(longest), [str(p + 1) for p in range(longest)])
-    right.set(xlabel="draft position", title=f"acceptance per set and category, k={longest}")
-    for y, values in enumerate(grid):
-        for x, value in enumerate(values):
-            right.text(x, y, f"{value:.2f}", ha="center", va="center", color="white" if value < 0.6 else "black")
-    figure.colorbar(image, ax=right, fraction=0.04)
-    _save(figure, path)
-
-
-def plot_speedup(result: dict, path: Path) -> None:
-    """Throughput over all sets against concurrency: speedup per draft length, and tokens/s."""
-    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    temperatures = sorted({r["temperature"] for r in result["recommendation"]})
-    lengths = sorted({int(k) for r in result["recommendation"] for k in r["tokens_per_s_by_draft_length"]})
-    for t_index, value in enumerate(temperatures):
-        rows = sorted(
-            (r for r in result["recommendation"] if r["temperature"] == value), key=lambda r: r["concurrency"]
-        )
-        x = [r["concurrency"] for r in rows]
-        style = "-o" if t_index == 0 else "--s"
-        for index, k in enumerate(lengths):
-            speeds = [r["tokens_per_s_by_draft_length"][str(k)] for r in rows]
-            spreads = [r.get("spread_by_draft_length", {}).get(str(k), 0.0) for r in rows]
-            name = f"k={k} {_sampling_name(value)}"
-            left.plot(
-                x,
-                [s / r["tokens_per_s_without_drafter"] for s, r in zip(speeds, rows, strict=True)],
-                style,
-                color=f"C{index}",
-                label=name,
-            )
-            right.errorbar(x, speeds, yerr=spreads, fmt=style, color=f"C{index}", capsize=3, label=name)
-        right.errorbar(
-            x,
-            [r["tokens_per_s_without_drafter"] for r in rows],
-            yerr=[r.get("tokens_per_s_without_drafter_spread", 0.0) for r in rows],
-            fmt=style,
-            color="black",
-            capsize=3,
-            label=f"target alone {_sampling_name(value)}",
-        )
-    left.axhline(1.0, color="grey", linewidth=0.8)
-    measured = sorted({r["concurrency"] for r in result["recommendation"]})
-    for axis in (left, right):
-        axis.set_xscale("log", base=2)
-        axis.set_xticks(measured, [str(c) for c in measured])
-        axis.minorticks_off()
-        axis.set_xlabel("concurrency (requests in flight)")
-        axis.legend(fontsize="small")
-    left.set(ylabel="speedup over the target alone", title="speedup, all sets together")
-    right.set(ylabel="output tokens / s (bars: spread)", title="throughput, all sets together")
-    _save(figure, path)
-
-
-def tables_html(result: dict) -> str:
-    """The recommendation and the per-set results, for the report."""
-    recommendation = [
-        [
-            r["concurrency"],
-            _sampling_name(r["temperature"]),
-            r["num_speculative_tokens"],
-            choice_text(r),
-            f"{r['speedup']:.2f}×" if r["speedup"] is not None else "",
-            _plus_minus(r["tokens_per_s_with_drafter"], r["tokens_per_s_with_drafter_spread"]),
-            _plus_minus(r["tokens_per_s_without_drafter"], r["tokens_per_s_without_drafter_spread"]),
-            " · ".join(
-                f"k={k}: {_plus_minus(speed, r['spread_by_draft_length'][k])}, "
-                f"AL {r['acceptance_length_by_draft_length'][k]:.2f}"
-                for k, speed in r["tokens_per_s_by_draft_length"].items()
-            ),
-            json.dumps(r["speculative_config"]),
-        ]
-        for r in result["recommendation"]
-    ]
-    results = [
-        [
-            r["set"],
-            r["category"],
-            r["num_speculative_tokens"],
-            r["concurrency"],
-            _sampling_name(r["temperature"]),
-            r["requests"],
-            f"{r['acceptance_length']:.2f}",
-            " / ".join(f"{a:.2f}" for a in r["acceptance_per_position"]),
-            _row_speed(r),
-            f"{r['speedup']:.2f}×" if r["speedup"] is not None else "",
-        ]
-        for r in result["results"]
-    ]
-    return (
-        "<html><head><meta charset='utf-8'><style>table{border-collapse:collapse;font:13px sans-serif}"
-        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}</style></head><body>"
-        "<h3>Recommended draft length per concurrency (best measured throughput, all sets together)</h3>"
-        f"<p>drafter_speculative_config.json holds the choice at concurrency {result['concurrency']}, greedy. "
-        "A speedup below 1× means the target alone is faster there. ± is the spread of a throughput "
-        "(two standard errors of its requests' mean speed); where draft lengths are within it of the "
-        "fastest, the longest acceptance (AL) decides.</p>"
-        + _table(
-            [
-                "concurrency",
-                "sampling",
-                "draft length",
-                "chosen by",
-                "speedup",
-                "tok/s with",
-                "tok/s without",
-                "every draft length",
-                "--speculative-config",
-            ],
-            recommendation,
-        )
-        + "<h3>Acceptance per set and category</h3><p>Category speeds and speedups are per request.</p>"
-        + _table(
-            [
-                "set",
-                "category",
-                "k",
-                "concurrency",
-                "sampling",
-                "requests",
-                "acceptance length",
-                "per position",
-                "tok/s with",
-                "speedup",
-            ],
-            results,
-        )
-        + "</body></html>\n"
-    )
-
-
-def _plus_minus(value: float, spread: float) -> str:
-    return f"{value:g} ± {spread:g}"
-
-
-def _row_speed(row: dict) -> str:
-    """A set's throughput, or a category's per-request speed, with its spread."""
-    if "tokens_per_s_with_drafter" in row:
-        return _plus_minus(row["tokens_per_s_with_drafter"], row["tokens_per_s_with_drafter_spread"])
-    return _plus_minus(row["request_tokens_per_s_with_drafter"], row["request_tokens_per_s_with_drafter_spread"])
-
-
-def _table(header: list[str], rows: list[list]) -> str:
-    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>" for row in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
-
-
-def _save(figure, output: Path) -> None:
-    output.parent.mkdir(parents=True, exist_ok=True)
-    figure.tight_layout()
-    figure.savefig(output, dpi=110)
-    plt.close(figure)
-
-
 # --- the stage -----------------------------------------------------------------------------
 
 
@@ -508,7 +292,7 @@ def run(
     )
     for row in result["recommendation"]:
         log(
-            f"concurrency {row['concurrency']}, {_sampling_name(row['temperature'])}: draft length "
+            f"concurrency {row['concurrency']}, {sampling_name(row['temperature'])}: draft length "
             f"{row['num_speculative_tokens']} ({row['speedup']}× the target alone; {choice_text(row)})"
         )
     return result

@@ -46,7 +46,7 @@ def plot_completion_lengths(completions: list[Path], output: Path) -> None:
         ylabel="answers",
         title=f"{len(lengths)} answers, mean {mean:.0f} tokens, {truncated} cut at max_tokens",
     )
-    _save(figure, output)
+    save_figure(figure, output)
 
 
 def plot_training_curves(metrics_file: Path, output: Path) -> None:
@@ -72,7 +72,7 @@ def plot_training_curves(metrics_file: Path, output: Path) -> None:
     acc_axis.set(xlabel="epoch", ylabel="accuracy", ylim=(0, 1), title="draft token accuracy")
     loss_axis.legend()
     acc_axis.legend(fontsize="small")
-    _save(figure, output)
+    save_figure(figure, output)
 
 
 SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
@@ -99,7 +99,7 @@ def run_metadata(settings: dict) -> str:
     return "\n".join(lines) + "\n\nconfig:\n" + json.dumps(redact(settings), indent=2, sort_keys=True) + "\n"
 
 
-def _save(figure, output: Path) -> None:
+def save_figure(figure, output: Path) -> None:
     output.parent.mkdir(parents=True, exist_ok=True)
     figure.tight_layout()
     figure.savefig(output, dpi=110)
