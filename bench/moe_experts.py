@@ -21,7 +21,7 @@ from results_file import write_result
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
-from draftsmith import demo_model  # noqa: E402
+from draftsmith import demo_language, demo_model  # noqa: E402
 
 IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 
@@ -29,7 +29,7 @@ IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 def seconds_per_step(implementation: str, steps: int, warmup: int) -> dict:
     torch.manual_seed(0)
     torch.set_flush_denormal(True)
-    tokenizer = demo_model.build_tokenizer()
+    tokenizer = demo_language.build_tokenizer()
     config = demo_model.model_config(tokenizer, "deepseek_v3")
     model = AutoModelForCausalLM.from_config(config, experts_implementation=implementation)
     optimizer = torch.optim.AdamW(model.parameters(), lr=demo_model.LEARNING_RATES["deepseek_v3"])

@@ -112,7 +112,7 @@ def tiny_tokenizer(tmp_path_factory) -> Path:
     consumer of the tokenizer (prepare-data, the context checks) in a second."""
     from transformers import LlamaConfig
 
-    from draftsmith.demo_model import build_tokenizer
+    from draftsmith.demo_language import build_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-tokenizer")
     tokenizer = build_tokenizer()  # the demo's, without its model

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 
+from draftsmith import demo_language as lang
 from draftsmith import demo_model as dm
 
 QUESTIONS = Path(__file__).resolve().parents[1] / "config" / "demo_questions.jsonl"
@@ -16,7 +17,7 @@ QUESTIONS = Path(__file__).resolve().parents[1] / "config" / "demo_questions.jso
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return dm.build_tokenizer()
+    return lang.build_tokenizer()
 
 
 def token_id(tokenizer, token: str) -> int:
@@ -24,16 +25,16 @@ def token_id(tokenizer, token: str) -> int:
 
 
 def test_vocabulary_is_small_and_unique():
-    vocab = dm.vocabulary()
+    vocab = lang.vocabulary()
     assert len(vocab) == len(set(vocab))
     assert 200 <= len(vocab) <= 300
-    assert vocab[0] == dm.UNK
+    assert vocab[0] == lang.UNK
 
 
 def test_tokenizer_round_trips_words(tokenizer):
     text = "count from 3 to 9 <think> start at 3 </think> 3 4 5"
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    assert dm.UNK not in tokenizer.convert_ids_to_tokens(ids)
+    assert lang.UNK not in tokenizer.convert_ids_to_tokens(ids)
     assert len(ids) == len(text.split())
     assert tokenizer.decode(ids) == text
 
@@ -66,10 +67,10 @@ def test_special_token_ids_are_fixed(tokenizer):
 
 
 def test_generation_prompt_leaves_think_to_the_model(tokenizer):
-    example = dm.make_example(random.Random(1), "count_up")
-    messages = dm.example_messages(example)
-    prompt = dm.render(tokenizer, messages[:-1], add_generation_prompt=True)
-    full = dm.render(tokenizer, messages)
+    example = lang.make_example(random.Random(1), "count_up")
+    messages = lang.example_messages(example)
+    prompt = lang.render(tokenizer, messages[:-1], add_generation_prompt=True)
+    full = lang.render(tokenizer, messages)
     think, end_think = token_id(tokenizer, "<think>"), token_id(tokenizer, "</think>")
     assert prompt[-1] == token_id(tokenizer, "<|assistant|>")
     assert think not in prompt and end_think not in prompt
@@ -97,12 +98,12 @@ def test_template_renders_system_turn(tokenizer):
     assert text == "<s><|system|> answer briefly <|user|> spell cat <|assistant|>"
 
 
-@pytest.mark.parametrize("task", dm.TASKS)
+@pytest.mark.parametrize("task", lang.TASKS)
 def test_examples_are_deterministic_and_in_vocabulary(task):
-    first = [dm.make_example(random.Random(5), task) for _ in range(3)]
-    again = [dm.make_example(random.Random(5), task) for _ in range(3)]
+    first = [lang.make_example(random.Random(5), task) for _ in range(3)]
+    again = [lang.make_example(random.Random(5), task) for _ in range(3)]
     assert first == again
-    vocab = set(dm.vocabulary())
+    vocab = set(lang.vocabulary())
     for example in first:
         words = f"{example.question} {example.assistant_content}".split()
         assert set(words) <= vocab, set(words) - vocab
@@ -111,7 +112,7 @@ def test_examples_are_deterministic_and_in_vocabulary(task):
 def test_answers_follow_the_question():
     rng = random.Random(3)
     for _ in range(50):
-        example = dm.make_example(rng)
+        example = lang.make_example(rng)
         q, a = example.question.split(), example.answer.split()
         if example.task == "count_up":
             assert a == [str(i) for i in range(int(q[-3]), int(q[-1]) + 1)]
@@ -132,7 +133,7 @@ def test_answers_follow_the_question():
 
 def test_unknown_task_is_refused():
     with pytest.raises(ValueError, match="unknown task"):
-        dm.make_example(random.Random(0), "sort")
+        lang.make_example(random.Random(0), "sort")
 
 
 def test_model_config_has_head_dim_64(tokenizer):
@@ -158,11 +159,11 @@ def test_question_file_is_shipped_and_current():
     lines = QUESTIONS.read_text().splitlines()
     rows = [json.loads(line) for line in lines]
     assert len(rows) >= 300
-    assert rows == dm.question_rows()  # regenerate with `python -m draftsmith.demo_model questions`
+    assert rows == lang.question_rows()  # regenerate with `python -m draftsmith.demo_model questions`
     assert len(set(lines)) >= 300 and len(set(lines)) < len(lines)  # has exact duplicates
     shapes = {next(k for k in ("messages", "conversations", "prompt") if k in row) for row in rows}
     assert shapes == {"messages", "conversations", "prompt"}
-    vocab = set(dm.vocabulary())
+    vocab = set(lang.vocabulary())
     for row in rows:
         if "messages" in row:
             text = " ".join(m["content"] for m in row["messages"])
@@ -174,8 +175,8 @@ def test_question_file_is_shipped_and_current():
 
 
 def test_question_rows_are_deterministic():
-    assert dm.question_rows(40, seed=1) == dm.question_rows(40, seed=1)
-    assert dm.question_rows(40, seed=1) != dm.question_rows(40, seed=2)
+    assert lang.question_rows(40, seed=1) == lang.question_rows(40, seed=1)
+    assert lang.question_rows(40, seed=1) != lang.question_rows(40, seed=2)
 
 
 def test_build_writes_a_loadable_model(tmp_path):

@@ -8,7 +8,7 @@ from conftest import server_settings
 from transformers import AutoTokenizer
 
 from draftsmith import generate
-from draftsmith.demo_model import question_rows
+from draftsmith.demo_language import question_rows
 from draftsmith.errors import DraftsmithError
 from draftsmith.settings import item_settings
 from draftsmith.staging import open_staging
