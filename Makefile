@@ -20,6 +20,7 @@ lint: $(STAMP)
 	$(VENV)/bin/snakefmt --check Snakefile workflow/rules
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)

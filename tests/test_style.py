@@ -1,5 +1,6 @@
 """The workflow stays lint-clean and formatted: snakemake --lint and snakefmt for the rules,
-ruff check and ruff format for the Python (enforced in CI through the suite)."""
+ruff check and ruff format for the Python, and mypy over the package (enforced in CI
+through the suite)."""
 
 import subprocess
 import sys
@@ -26,3 +27,9 @@ def test_python_is_ruff_clean_and_formatted():
     for command in ([ruff, "check", "."], [ruff, "format", "--check", "."]):
         run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
         assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_the_package_type_checks():
+    """mypy with pyproject.toml's settings: the package's own annotations must agree."""
+    run = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr

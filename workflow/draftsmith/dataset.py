@@ -124,7 +124,7 @@ def row_question_ids(dataset_dir: Path, ids_by_row: dict[str, list[str]]) -> lis
 
     unclaimed = {key: list(ids) for key, ids in ids_by_row.items()}
     rows = load_from_disk(str(dataset_dir)).with_format(None)
-    result = []
+    result: list[str] = []
     for input_ids, loss_mask in zip(rows["input_ids"], rows["loss_mask"], strict=True):
         ids = unclaimed.get(row_key(input_ids, loss_mask))
         if not ids:

@@ -181,6 +181,7 @@ def measure(
     settings = stage.settings
     extra = []
     if drafter is not None:
+        assert k is not None  # a drafter is always measured at a draft length
         extra = ["--speculative-config", json.dumps(speculative_config(drafter, k))]
         extra += ["--per-request-spec-decode-metrics", "summary"]
     spec = ServerSpec.from_config(settings, extra_args=extra)

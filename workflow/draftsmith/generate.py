@@ -31,7 +31,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from transformers import AutoTokenizer
 
@@ -226,9 +226,10 @@ def overlong_prompts(settings: dict, questions: list[dict[str, Any]]) -> dict[st
     )
     lengths = {}
     for question in questions:
-        prompt = tokenizer.apply_chat_template(
+        encoded = tokenizer.apply_chat_template(
             question["messages"], add_generation_prompt=True, tokenize=True, return_dict=True
-        )["input_ids"]
+        )
+        prompt = cast(dict[str, list[int]], encoded)["input_ids"]
         if len(prompt) >= limit:
             lengths[question["id"]] = len(prompt)
     return lengths

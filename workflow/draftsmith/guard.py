@@ -56,7 +56,9 @@ def restore_sigint() -> None:
 def interrupt_main_thread() -> None:
     """KeyboardInterrupt in the main thread, wherever it is (asyncio.run cancels its tasks on
     it): the stage's ``finally`` blocks stop its servers and trainers."""
-    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+    main = threading.main_thread().ident
+    assert main is not None  # the main thread is always started
+    signal.pthread_kill(main, signal.SIGINT)
 
 
 def stop_with_launcher(announce) -> None:

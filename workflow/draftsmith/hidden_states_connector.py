@@ -83,6 +83,7 @@ class CpuSafeHiddenStatesConnector(ExampleHiddenStatesConnector):
 
     def _write_from_cpu_cache(self, pending: PendingSave) -> None:
         num_tokens = pending.token_ids.shape[0]
+        assert self._kv_cache is not None  # registered before any request runs
         hidden_states = extract_from_kv_cache(self._kv_cache, self._slot_mapping(pending.block_ids), num_tokens)
         tensors = {
             # Fancy indexing already copied; contiguous() makes the layout explicit,
@@ -104,4 +105,4 @@ class CpuSafeHiddenStatesConnector(ExampleHiddenStatesConnector):
         finally:
             if lock_fd is not None:
                 os.close(lock_fd)  # releases LOCK_EX: waiting clients may read now
-        self._req_copy_events[pending.req_id] = _CompletedCopy()
+        self._req_copy_events[pending.req_id] = _CompletedCopy()  # type: ignore[assignment]  # an Event's query()

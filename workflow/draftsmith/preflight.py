@@ -59,8 +59,9 @@ def declared(name: str) -> list:
     values = []
     for module in sorted(PACKAGE.glob("*.py")):
         for node in ast.parse(module.read_text()).body:
-            named = isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets)
-            if named and isinstance(node.value, ast.List):  # not this module's own collections
+            if not isinstance(node, ast.Assign) or not any(getattr(t, "id", None) == name for t in node.targets):
+                continue
+            if isinstance(node.value, ast.List):  # not this module's own collections
                 values += [tuple(v) if isinstance(v, list) else v for v in ast.literal_eval(node.value)]
     return values
 
@@ -190,7 +191,7 @@ def check_vllm_options() -> list[str]:
 
 
 def _flatten_literal(annotation) -> list[str]:
-    values = []
+    values: list[str] = []
     for argument in typing.get_args(annotation):
         values += _flatten_literal(argument) if typing.get_args(argument) else [argument]
     return values

@@ -33,7 +33,7 @@ from draftsmith.settings import item_settings
 from draftsmith.slot import check_gpu_slot
 from draftsmith.staging import open_staging
 
-Item = TypeVar("Item")
+Item = TypeVar("Item", int, str)  # row indices or question ids: sortable
 # One item's request; it may return extra counts for the progress line (e.g. truncated=1).
 Request = Callable[[Item], Awaitable[dict[str, int] | None]]
 

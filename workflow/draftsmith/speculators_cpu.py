@@ -53,11 +53,11 @@ def apply() -> bool:
         def setup_model(self) -> None:
             # setup_model is the first step that uses the device; __init__ set both fields
             # from the (absent) accelerator just before.
-            self.local_rank = "cpu"
+            self.local_rank = "cpu"  # type: ignore[assignment]  # speculators moves tensors .to(local_rank)
             self.device_type = "cpu"
             super().setup_model()
 
-    cli.Trainer = CpuTrainer
+    cli.Trainer = CpuTrainer  # type: ignore[misc]  # the CLI builds whatever cli.Trainer names
     checkpointer.get_current_device = lambda: "cpu"
     muon._zeropower_via_newtonschulz = newton_schulz_fp32
     # CPU work is synchronous: there is nothing to wait for.

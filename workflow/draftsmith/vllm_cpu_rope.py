@@ -42,7 +42,7 @@ def register() -> None:
 
     if getattr(RotaryEmbedding.forward_cpu, "draftsmith_flattens_heads", False):
         return
-    RotaryEmbedding.forward_cpu = flatten_heads(RotaryEmbedding.forward_cpu)
+    RotaryEmbedding.forward_cpu = flatten_heads(RotaryEmbedding.forward_cpu)  # type: ignore[method-assign]
     log.warning(
         "draftsmith: vLLM's CPU rotary kernel misreads [tokens, heads, dim] queries; "
         "passing it [tokens, heads * dim] instead (DeepSeek-V3/Kimi attention)"
@@ -78,9 +78,9 @@ def flatten_heads(forward_cpu):
         # reshape copies a strided slice such as DeepSeek's q_pe: write the result back.
         if flat_query.data_ptr() != query.data_ptr():
             query.copy_(flat_query.view(query.shape))
-        if key is not None and flat_key.data_ptr() != key.data_ptr():
+        if flat_key is not None and flat_key.data_ptr() != key.data_ptr():
             key.copy_(flat_key.view(key.shape))
         return query, key
 
-    forward.draftsmith_flattens_heads = True
+    forward.draftsmith_flattens_heads = True  # type: ignore[attr-defined]  # how register() knows it
     return forward

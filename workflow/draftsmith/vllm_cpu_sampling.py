@@ -69,4 +69,4 @@ def expand_batch_to_tokens(x, cu_num_tokens, num_tokens: int, replace_from=0, re
     return torch.repeat_interleave(values, counts, output_size=num_tokens)
 
 
-expand_batch_to_tokens.draftsmith_in_torch = True
+expand_batch_to_tokens.draftsmith_in_torch = True  # type: ignore[attr-defined]  # how register() knows it
