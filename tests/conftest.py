@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.demo_model import build_demo_model
-
 ROOT = Path(__file__).resolve().parents[1]
 # What a copy of the workflow needs to run (envs/: rules record their conda file in metadata).
 WORKFLOW_FILES = ("Snakefile", "workflow", "config", "profiles", "envs")
@@ -26,7 +24,9 @@ def copy_workflow(workdir: Path) -> Path:
     return workdir
 
 
-# vLLM on a small CPU box: a 1 GiB KV cache, no hub access.
+# vLLM on a small CPU box: a 1 GiB KV cache, no hub access. Set before anything imports
+# huggingface_hub (which reads HF_HUB_OFFLINE once, at import), so the suite's own
+# process is offline too, not only the servers it starts.
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
 os.environ.update(VLLM_ENV)
 # Every process this test session starts inherits this mark, servers and trainers included.
@@ -102,6 +102,8 @@ def _by_module(tests: list[tuple[str, float]]) -> dict[str, float]:
 def demo_target(tmp_path_factory) -> Path:
     """The demo's tiny Llama, trained long enough to answer in its synthetic language."""
     path = tmp_path_factory.mktemp("target") / "demo_model"
+    from draftsmith.demo_model import build_demo_model  # here: transformers reads the hub setting on import
+
     build_demo_model(path, train_seconds=0, max_steps=400, seed=0, eval_per_task=0)
     return path
 

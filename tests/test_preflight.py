@@ -135,10 +135,9 @@ def test_config_problems_are_one_clear_line(change, message, target, tmp_path):
     assert len(problems) == 1 and message in problems[0], problems
 
 
-def test_an_unreadable_hub_set_is_named_before_anything_starts(monkeypatch, target, tmp_path):
+def test_an_unreadable_hub_set_is_named_before_anything_starts(target, tmp_path):
     """Offline (as this suite runs), a hub id nobody cached cannot be read: one line naming the
     set and the fix, from the preflight; a local copy in the hub's layout is read instead."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     settings = demo_settings(target)
     settings["evaluation"]["sets"]["bench"] = {"source": "nobody/no-such-set", "split": "test", "subset": None}
     problems = preflight.run_checks(settings, tmp_path / "results")
