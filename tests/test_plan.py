@@ -1,6 +1,8 @@
 """The cost plan for the production example prints on a CPU machine from config.json alone."""
 
 import json
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +10,8 @@ from pathlib import Path
 import yaml
 from snakemake.utils import validate
 
+from draftsmith import plan as plan_module
+from draftsmith.disk_budget import parse_budget, row_bytes
 from draftsmith.plan import format_plan, plan_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,3 +91,40 @@ def test_snakemake_plans_every_stage_of_the_production_config_without_gpus(tmp_p
     assert run.stdout.count("rule evaluate_drafter:") == 4
     assert "rule evaluate:" in run.stdout and "rule evaluation_sets:" in run.stdout
     assert "demo_model" not in run.stdout
+
+
+def modes_by_name(plan):
+    return {mode["mode"]: mode for mode in plan["storage_modes"]}
+
+
+def test_kimi_at_600k_questions_plans_offline_a_budget_that_fits_and_online(tmp_path, monkeypatch):
+    settings = kimi_settings(tmp_path, wrapped=True)
+    settings["questions"]["limit"] = 600_000
+    free = 20 * 2**40  # 20 TiB free under results_dir
+    monkeypatch.setattr(plan_module.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(free, 0, free))
+    plan = plan_for(settings, tmp_path / "results")
+    modes = modes_by_name(plan)
+    rows, epochs = plan["questions_train"], settings["training"]["epochs"]
+    assert modes["offline"]["stored_bytes"] > 100 * 10**12  # hundreds of TB
+    assert modes["offline"]["capture_passes"] == 0 and modes["offline"]["model_loads"] == 1
+    fits = modes["budget that fits"]
+    assert fits["peak_disk_bytes"] <= free * plan_module.FREE_DISK_SHARE < modes["offline"]["peak_disk_bytes"]
+    assert 0 < fits["rows_stored"] < rows
+    assert fits["capture_passes"] == (rows - fits["rows_stored"]) * epochs and fits["model_loads"] == 2
+    online = modes["online"]
+    assert online["stored_bytes"] == 0 and online["capture_passes"] == rows * epochs and online["model_loads"] == 1
+    # Captured files in flight: one per dataloader worker (4) of each of the 8 trainers.
+    assert online["peak_disk_bytes"] == 8 * 4 * row_bytes(8192, 4, 7168)
+    table = format_plan(plan)
+    suggested = re.search(r'set hidden_states.disk_budget: "([^"]+)"', table).group(1)
+    assert parse_budget(suggested) <= free * plan_module.FREE_DISK_SHARE
+
+
+def test_a_configured_budget_is_planned_beside_offline_and_online(tmp_path):
+    settings = kimi_settings(tmp_path)
+    each = row_bytes(8192, 4, 7168)
+    settings["hidden_states"] = {"disk_budget": 1000 * each, "capture_memory_fraction": 0.5}
+    modes = modes_by_name(plan_for(settings, tmp_path / "results"))
+    assert modes["budget (configured)"]["rows_stored"] == 1000
+    assert modes["budget (configured)"]["stored_bytes"] == 1000 * each
+    assert list(modes)[0] == "offline" and list(modes)[-1] == "online"

@@ -17,7 +17,9 @@ from transformers import AutoConfig
 
 from draftsmith import speculators_cpu, train
 from draftsmith.demo_model import build_demo_model
+from draftsmith.disk_budget import dataset_row_tokens, row_bytes
 from draftsmith.layers import resolve_layers
+from draftsmith.server import Endpoint
 from draftsmith.slot import GpuSlotError
 from draftsmith.train import (
     TrainError,
@@ -109,6 +111,7 @@ def settings(target: Path, **training) -> dict:
         "device": "cpu",
         "gpu_slot": 1,
         "server": {"tensor_parallel_size": 1, "data_parallel_size": 1},
+        "hidden_states": {"disk_budget": "all", "capture_memory_fraction": 0.5},
         "training": {
             "epochs": 2,
             "lr": 1e-3,
@@ -169,9 +172,29 @@ def test_missing_hidden_states_fail_fast_naming_the_row(target, dataset, hidden_
         if row != 3:
             (partial / f"hs_{row}.safetensors").symlink_to(hidden_states / f"hs_{row}.safetensors")
     paths = stage_paths(tmp_path, dataset, partial)
-    with pytest.raises(TrainError, match=r"1 of 8 dataset rows .*: row 3 \(question q-3\); rerun"):
+    with pytest.raises(TrainError, match=r"1 of 8 stored dataset rows .*: row 3 \(question q-3\); rerun"):
         run(settings(target), paths)
     assert not paths.staging.exists()
+
+
+def budget_for(target: Path, dataset: Path, rows: int) -> int:
+    """The disk budget that stores exactly the first ``rows`` rows of ``dataset``."""
+    hidden_size = AutoConfig.from_pretrained(target).hidden_size
+    return sum(row_bytes(n, len(LAYERS), hidden_size) for n in dataset_row_tokens(dataset)[:rows])
+
+
+def test_under_a_disk_budget_only_the_stored_rows_need_files(target, dataset, hidden_states, tmp_path):
+    stored = tmp_path / "hidden_states"
+    stored.mkdir()
+    for row in range(3):
+        (stored / f"hs_{row}.safetensors").symlink_to(hidden_states / f"hs_{row}.safetensors")
+    budget = {"disk_budget": budget_for(target, dataset, 3), "capture_memory_fraction": 0.5}
+    budgeted = settings(target) | {"hidden_states": budget}
+    _plan, split = train.preflight(budgeted, stage_paths(tmp_path, dataset, stored))
+    assert (split.rows, split.stored, split.mode) == (ROWS, 3, "budget")
+    # All rows on disk while the budget holds three: the extraction is stale, training stops.
+    with pytest.raises(TrainError, match=r"more rows than hidden_states.disk_budget stores \(3\); rerun"):
+        train.preflight(budgeted, stage_paths(tmp_path, dataset, hidden_states))
 
 
 @pytest.mark.training
@@ -225,7 +248,7 @@ def test_cuda_runs_one_torchrun_process_per_gpu_of_the_slot(tmp_path, monkeypatc
     plan = resolve_layers(kimi["layers"], 61)
     paths = stage_paths(tmp_path, tmp_path / "dataset", tmp_path / "hs")
 
-    command = train_command(kimi, plan, paths, training_processes(kimi, granted=8))
+    command = train_command(kimi, plan, paths, training_processes(kimi, granted=8), captures=False)
 
     assert command[:10] == [
         sys.executable,
@@ -250,8 +273,14 @@ def test_cuda_runs_one_torchrun_process_per_gpu_of_the_slot(tmp_path, monkeypatc
         assert expected in flags
     # The CPU-only flags stay off a GPU run (GPU configs need no extra_args to undo them).
     assert "--num-workers" not in flags and "--hidden-states-dtype" not in flags
-    cpu = train_command(settings(Path("/models/demo")), resolve_layers(LAYERS, 6), paths, 1)
+    cpu = train_command(settings(Path("/models/demo")), resolve_layers(LAYERS, 6), paths, 1, captures=False)
     assert " ".join(train.CPU_TRAINER_FLAGS) in " ".join(cpu)
+    # Past a disk budget, rows come from the capture server, named by a placeholder until
+    # it runs, so the recorded arguments (and the checkpoints) survive its new port.
+    online = train_command(kimi, plan, paths, 8, captures=True)
+    assert f"--on-missing generate --vllm-endpoint {train.CAPTURE_ENDPOINT}" in " ".join(online)
+    endpoint = Endpoint("http://127.0.0.1:4242/v1", "EMPTY", "/models/kimi")
+    assert "http://127.0.0.1:4242/v1" in train.with_endpoint(online, endpoint)
     with pytest.raises(GpuSlotError, match="granted 4"):
         training_processes(kimi, granted=4)
 

@@ -1,5 +1,6 @@
 """The training view links every row once and copies no tensor data."""
 
+import json
 import os
 
 import pytest
@@ -40,3 +41,31 @@ def test_missing_rows_are_named(tmp_path):
 def test_a_row_in_two_shards_is_refused(tmp_path):
     with pytest.raises(TrainingViewError, match="row 1 is in both"):
         build_view(make_shards(tmp_path, [[0, 1], [1, 2]]), 3, tmp_path / "all")
+
+
+def with_manifest(shard, stored_rows):
+    (shard / "manifest.json").write_text(json.dumps({"stored_rows": stored_rows}))
+    return shard
+
+
+def test_under_a_disk_budget_the_view_covers_the_stored_rows_only(tmp_path):
+    shards = [with_manifest(s, 3) for s in make_shards(tmp_path, [[0, 1], [2]])]
+    build_view(shards, 10, tmp_path / "all")
+    assert sorted(p.name for p in (tmp_path / "all").iterdir()) == [f"hs_{r}.safetensors" for r in (0, 1, 2)]
+
+
+def test_a_stored_row_missing_under_a_budget_is_still_an_error(tmp_path):
+    shards = [with_manifest(s, 3) for s in make_shards(tmp_path, [[0], [2]])]
+    with pytest.raises(TrainingViewError, match="1 dataset rows have no hidden states"):
+        build_view(shards, 10, tmp_path / "all")
+
+
+def test_shards_of_different_budgets_do_not_mix(tmp_path):
+    first, second = make_shards(tmp_path, [[0], [1]])
+    with pytest.raises(TrainingViewError, match="different disk budgets"):
+        build_view([with_manifest(first, 2), with_manifest(second, 4)], 10, tmp_path / "all")
+
+
+def test_no_shards_is_an_empty_view_for_fully_online_training(tmp_path):
+    build_view([], 10, tmp_path / "all")
+    assert list((tmp_path / "all").iterdir()) == []

@@ -4,7 +4,9 @@
         "extraction": ..., "device": ...}' --dataset DATASET_DIR --shard I --num-shards N
         --staging STAGING_DIR --output OUTPUT_DIR [--granted-gpus G]
 
-Shard I of N is a contiguous range of dataset rows. One vLLM server (extraction mode)
+Shard I of N is a contiguous range of the stored dataset rows: all rows, or the leading
+rows that fit ``hidden_states.disk_budget`` (``disk_budget``; training captures the rest,
+and staged rows past the budget are deleted). One vLLM server (extraction mode)
 is started for the whole shard; every row is requested once, its file is checked by
 the gate (``shard_gate``) and moved to ``STAGING/hs_<row>.safetensors``. A restart
 skips rows whose staged file passes the gate, and takes rows another shard's staging
@@ -38,12 +40,13 @@ from transformers import AutoConfig
 from draftsmith.atomic import publish_directory
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.client import SPECULATORS_CLIENT
+from draftsmith.disk_budget import row_split
 from draftsmith.layers import LayerPlan, resolve_layers
-from draftsmith.layout import HIDDEN_STATE_GLOB, SHARD_MANIFEST, hidden_state_file
+from draftsmith.layout import HIDDEN_STATE_GLOB, SHARD_MANIFEST, hidden_state_file, hidden_state_row
 from draftsmith.progress import Progress, log
 from draftsmith.server import Endpoint, ServerSpec
 from draftsmith.server_stage import RequestPolicy, ServerStage, StageError, first_errors
-from draftsmith.settings import item_settings
+from draftsmith.settings import item_settings, limited_budget
 from draftsmith.shard_gate import BadSample, check_sample, check_shard
 from draftsmith.staging import fingerprint_of, matching_siblings
 
@@ -128,7 +131,8 @@ def shard_range(num_rows: int, shard: int, num_shards: int) -> range:
     return range(start, start + size + (1 if shard < remainder else 0))
 
 
-def load_shard(dataset_dir: Path, shard: int, num_shards: int) -> ShardRows:
+def load_shard(dataset_dir: Path, shard: int, num_shards: int, stored: int | None = None) -> ShardRows:
+    """Shard ``shard`` of the first ``stored`` rows (all rows by default)."""
     dataset = load_from_disk(str(dataset_dir))
     if "input_ids" not in dataset.column_names:
         raise ExtractionError(
@@ -136,7 +140,8 @@ def load_shard(dataset_dir: Path, shard: int, num_shards: int) -> ShardRows:
             "pass the directory written by `speculators prepare-data`"
         )
     # prepare-data saves torch format; plain lists compare directly with file token ids.
-    return ShardRows(dataset.with_format(None), shard_range(len(dataset), shard, num_shards))
+    rows = len(dataset) if stored is None else stored
+    return ShardRows(dataset.with_format(None), shard_range(rows, shard, num_shards))
 
 
 def _flag_value(args: Sequence[str], flag: str) -> str | None:
@@ -323,6 +328,16 @@ async def extract_rows(
         return await stage.request_all(todo, extract, progress, admitted=4 * policy.concurrency)
 
 
+def drop_rows_past_the_budget(staging: Path, stored: int) -> None:
+    """A smaller disk budget than the staged work was made under: the rows past it go
+    (training captures them), so the disk holds what the budget allows."""
+    past = [path for path in staging.glob(HIDDEN_STATE_GLOB) if hidden_state_row(path) >= stored]
+    for path in past:
+        path.unlink()
+    if past:
+        log(f"deleted {len(past)} staged rows past the disk budget ({stored} rows stored)")
+
+
 def publishing_dir(output: Path) -> Path:
     return output.with_name(f".{output.name}.publishing")
 
@@ -339,10 +354,11 @@ def _recover_interrupted_publish(fresh: Path, staging: Path) -> None:
     log(f"removed the unfinished publish in {fresh}")
 
 
-def manifest(rows: ShardRows, plan: LayerPlan, shape: SampleShape, staging: Path, items: str) -> dict:
+def manifest(rows: ShardRows, plan: LayerPlan, shape: SampleShape, staging: Path, items: str, stored: int) -> dict:
     return {
         "items_fingerprint": items,  # the settings every file was made under (settings.py)
         "rows": [rows.rows.start, rows.rows.stop],
+        "stored_rows": stored,  # of all shards together: the training view covers rows 0..stored-1
         "num_rows": len(rows),
         "config_layers": list(plan.config_layers),
         "vllm_layer_ids": plan.vllm_ids,
@@ -384,14 +400,16 @@ def run(
     """Extract, resume, gate and publish one shard; raise ``ExtractionError`` if incomplete."""
     stage = extraction_stage(settings)
     stage.begin(granted_gpus, staging)
-    rows = load_shard(dataset_dir, shard, num_shards)
     plan, shape = target_shape(settings)
+    split = row_split(dataset_dir, limited_budget(settings), shape.num_layers_stored, shape.hidden_size)
+    rows = load_shard(dataset_dir, shard, num_shards, split.stored)
     check_settings(settings, rows)
     log(
-        f"shard {shard}/{num_shards}: rows {rows.rows.start}..{rows.rows.stop - 1}, "
+        f"shard {shard}/{num_shards}: rows {rows.rows.start}..{rows.rows.stop - 1} ({split.describe()}), "
         f"vLLM layer ids {plan.vllm_ids}, hidden {shape.hidden_size}, {shape.dtype}"
     )
     _recover_interrupted_publish(publishing_dir(output), staging)
+    drop_rows_past_the_budget(staging, split.stored)
     adopt_from_other_shards(staging, rows)
     storage = staging / VLLM_STORAGE_DIR
     shutil.rmtree(storage, ignore_errors=True)  # leftovers of a killed server
@@ -407,7 +425,7 @@ def run(
     stage.check_failures(result.failures, len(rows), kept)
     check_shard(staging, rows, shape.num_layers_stored, shape.hidden_size, shape.dtype)
     items = fingerprint_of(item_settings(settings, "extract"))
-    publish(staging, output, rows, manifest(rows, plan, shape, staging, items))
+    publish(staging, output, rows, manifest(rows, plan, shape, staging, items, split.stored))
     shutil.rmtree(storage)
     log(f"published {len(rows)} samples to {output}")
     return result

@@ -17,14 +17,17 @@ from pathlib import Path
 
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
+from draftsmith.disk_budget import row_bytes
 from draftsmith.errors import DraftsmithError
 from draftsmith.layout import Layout
 from draftsmith.progress import log
-from draftsmith.settings import draft_lengths
+from draftsmith.settings import draft_lengths, limited_budget, trainer_processes
 from draftsmith.slot import gpus_needed
 from draftsmith.target import read_target_config
 
 BYTES_PER_VALUE = 2  # bf16, as vLLM writes the hidden states
+# The share of the free disk a suggested budget takes: the rest is for checkpoints and logs.
+FREE_DISK_SHARE = 0.9
 # Until the questions stage has run, prompts are assumed this long (chat template included).
 ASSUMED_PROMPT_TOKENS = 256
 
@@ -111,6 +114,8 @@ def plan_for(settings: dict, results: Path) -> dict:
     done = _done(layout)
     written_bytes = sum(p.stat().st_size for p in layout.hidden_state_files())
     external = bool(settings["generation"].get("endpoint"))
+    free_disk = shutil.disk_usage(existing_parent(results)).free
+    modes = storage_modes(settings, train, per_row, layers, hidden, free_disk + written_bytes)
     return {
         "questions_train": train,
         "questions_heldout": heldout,
@@ -123,7 +128,8 @@ def plan_for(settings: dict, results: Path) -> dict:
         "hidden_size": hidden,
         "hidden_state_bytes": hidden_bytes,
         "hidden_state_bytes_to_write": max(hidden_bytes - written_bytes, 0),
-        "free_disk_bytes": shutil.disk_usage(existing_parent(results)).free,
+        "free_disk_bytes": free_disk,
+        "storage_modes": modes,
         "model_loads": {
             "generation": 0 if external else settings["questions"]["shards"],
             "extraction": settings["extraction"]["shards"],
@@ -135,6 +141,47 @@ def plan_for(settings: dict, results: Path) -> dict:
         "gpus_per_server": gpus_needed(settings),
         "done": done,
     }
+
+
+def in_flight_rows(settings: dict) -> int:
+    """Captured files on disk at once, at most: speculators loads and deletes each file as
+    its dataloader worker gets it (what is prefetched waits in memory), so one per worker
+    (or per trainer process without workers)."""
+    args = list(settings["training"]["extra_args"])
+    workers = int(args[args.index("--num-workers") + 1]) if "--num-workers" in args[:-1] else 0
+    return trainer_processes(settings) * max(workers, 1)
+
+
+def storage_mode(name: str, settings: dict, rows: int, stored: int, per_row: float, layers: int, hidden: int) -> dict:
+    each = row_bytes(round(per_row), layers, hidden)
+    captured = rows - stored
+    in_flight = min(in_flight_rows(settings), captured)
+    return {
+        "mode": name,
+        "rows_stored": stored,
+        "stored_bytes": stored * each,
+        "peak_disk_bytes": (stored + in_flight) * each,
+        "capture_passes": captured * settings["training"]["epochs"],
+        "model_loads": (settings["extraction"]["shards"] if stored else 0) + (1 if captured else 0),
+    }
+
+
+def storage_modes(settings: dict, rows: int, per_row: float, layers: int, hidden: int, disk: int) -> list[dict]:
+    """Offline, the configured budget, the largest budget the disk holds (when offline
+    does not fit), and online: what each stores and captures."""
+    each = row_bytes(round(per_row), layers, hidden)
+    modes = [storage_mode("offline", settings, rows, rows, per_row, layers, hidden)]
+    budget = limited_budget(settings)
+    if budget not in (None, 0):
+        modes.append(
+            storage_mode("budget (configured)", settings, rows, min(budget // each, rows), per_row, layers, hidden)
+        )
+    fitting = int(disk * FREE_DISK_SHARE) - min(in_flight_rows(settings), rows) * each
+    if modes[0]["peak_disk_bytes"] > disk * FREE_DISK_SHARE:
+        stored = min(max(fitting, 0) // each, rows)
+        fits = storage_mode("budget that fits", settings, rows, stored, per_row, layers, hidden)
+        modes.append(fits | {"budget_bytes": stored * each})
+    return modes + [storage_mode("online", settings, rows, 0, per_row, layers, hidden)]
 
 
 def evaluation_loads(settings: dict) -> int:
@@ -149,6 +196,29 @@ def human_bytes(n: float) -> str:
             return f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def storage_rows(plan: dict) -> list[tuple[str, str]]:
+    """A line per way to hold the hidden states, and which budget fits when offline does not."""
+    rows = [("hidden states on disk (mode)", "stored / peak disk / capture passes / model loads (extract + capture)")]
+    for mode in plan["storage_modes"]:
+        rows.append(
+            (
+                f"  {mode['mode']}",
+                f"{human_bytes(mode['stored_bytes'])} / {human_bytes(mode['peak_disk_bytes'])} / "
+                f"{mode['capture_passes']:,} / {mode['model_loads']}",
+            )
+        )
+        if "budget_bytes" in mode:
+            share = mode["rows_stored"] / max(plan["questions_train"], 1)
+            rows.append(
+                (
+                    "  offline does not fit the free disk",
+                    f'set hidden_states.disk_budget: "{human_bytes(mode["budget_bytes"])}" (stores {share:.1%} '
+                    "of the rows, captures the rest in every epoch) or 0 (online)",
+                )
+            )
+    return rows
 
 
 def format_plan(plan: dict) -> str:
@@ -177,6 +247,7 @@ def format_plan(plan: dict) -> str:
             f" (evaluation: target alone + {plan['draft_lengths']} draft length(s)"
             f"{' + untrained' if plan['compare_untrained'] else ''})",
         ),
+        *storage_rows(plan),
         ("GPU slot (GPUs per heavy job) / TP x DP", f"{plan['gpu_slot']} / {plan['gpus_per_server']}"),
         ("done: generation shards / answers staged", f"{done['generation_shards_done']} / {done['answers_staged']:,}"),
         (

@@ -218,13 +218,14 @@ class DeathWatch:
 
 @contextlib.contextmanager
 def managed_server(
-    spec: ServerSpec, log_path: Path | None = None, external: Endpoint | None = None
+    spec: ServerSpec, log_path: Path | None = None, external: Endpoint | None = None, api_key: str | None = None
 ) -> Iterator[Endpoint]:
     """Yield an endpoint serving ``spec.model``; the server lives exactly as long as the block.
 
     The server writes to ``log_path`` if given, else to our own stderr (the rule's
     log: one shared file offset, so its lines interleave with ours in order).
     With ``external`` the given endpoint is used as it is and nothing is started.
+    The key is a fresh secret unless ``api_key`` names one a client has built in.
     """
     if external is not None:
         log(f"using external endpoint {external.base_url}; no server started")
@@ -232,7 +233,7 @@ def managed_server(
         return
 
     port = free_port()
-    endpoint = Endpoint(f"http://127.0.0.1:{port}/v1", secrets.token_urlsafe(24), spec.model)
+    endpoint = Endpoint(f"http://127.0.0.1:{port}/v1", api_key or secrets.token_urlsafe(24), spec.model)
     # The key goes through the environment, not argv, so `ps` does not show it.
     env = uncapped_environment(**spec.env, VLLM_API_KEY=endpoint.api_key)
     with contextlib.ExitStack() as stack:

@@ -158,7 +158,33 @@ DERIVED = {
         ("evaluation.num_speculative_tokens",),
         lambda c: draft_lengths(c)[0],
     ),
+    # Unset (None) while every hidden state is stored: see MODE_SETTINGS.
+    "hidden_states.limited_budget": (("hidden_states.disk_budget",), lambda c: limited_budget(c)),
+    # What computes the rows training captures on demand: the extraction server's numerics
+    # and release (with no extraction stage, training is what must re-run on a change).
+    "hidden_states.capture_numerics": (
+        ("hidden_states.disk_budget", "server.extra_args", "server.env"),
+        lambda c: (
+            None
+            if limited_budget(c) is None
+            else {
+                "server": [lookup(c, key) for key in ("server.extra_args[numerics]", "server.env[numerics]")],
+                "vllm": installed_version("vllm"),
+            }
+        ),
+    ),
 }
+# Settings of a mode that is off by default: left out of params while None, so the runs
+# made before the mode existed keep their params (and are not re-run by an upgrade).
+MODE_SETTINGS = frozenset({"hidden_states.limited_budget", "hidden_states.capture_numerics"})
+
+
+def limited_budget(config: dict) -> int | None:
+    """``hidden_states.disk_budget`` in bytes; None for "all" (every row stored)."""
+    from draftsmith.disk_budget import parse_budget
+
+    return parse_budget(config["hidden_states"]["disk_budget"])
+
 
 # Settings whose every value is a job of its own (the value is in the output's name): a new
 # value adds its job and leaves the others; the rules tracking the whole list re-run.
@@ -227,6 +253,11 @@ PLAN_READS = (
     "generation.endpoint",
     "dataset.seq_length",
     "extraction.shards",
+    "hidden_states.disk_budget",
+    "training.epochs",
+    "training.total_seq_len",
+    "training.extra_args",
+    "device",
     "gpu_slot",
     "server.tensor_parallel_size",
     "server.data_parallel_size",
@@ -278,7 +309,8 @@ STAGES: dict[str, Stage] = {
     # numerics flags, the vLLM release), not where (TP, device: within bf16 noise).
     "extract": Stage(
         shaping=("target.model", "layers", *SERVER_NUMERICS),
-        extent=("target.build_demo", "extraction.shards"),
+        # A smaller budget keeps the staged rows it still covers; a larger one adds rows.
+        extent=("target.build_demo", "extraction.shards", "hidden_states.limited_budget"),
         operational=(
             *SERVER_PLACEMENT,
             *SERVER_PATIENCE,
@@ -292,9 +324,24 @@ STAGES: dict[str, Stage] = {
     "training_view": Stage(),
     "train": Stage(
         # The device picks the trainer's flags (fp32 on a CPU) and, with gpu_slot, its processes.
-        shaping=(*DRAFTER_SHAPE, "training.lr", "training.total_seq_len", "device", "trainer_processes"),
+        shaping=(
+            *DRAFTER_SHAPE,
+            "training.lr",
+            "training.total_seq_len",
+            "device",
+            "trainer_processes",
+            "hidden_states.limited_budget",
+            "hidden_states.capture_numerics",
+        ),
         extent=("target.build_demo", "training.epochs"),  # more epochs continue the checkpoints
-        operational=(*SERVER_PLACEMENT, "target.trust_remote_code", "training.stall_timeout_s"),
+        # The capture server (rows past the budget) is the extraction server, started here.
+        operational=(
+            *SERVER_PLACEMENT,
+            *SERVER_PATIENCE,
+            *SERVER_OTHER,
+            "training.stall_timeout_s",
+            "hidden_states.capture_memory_fraction",
+        ),
         software=("speculators", "torch", "transformers"),
     ),
     # speculators' dry run: initialized, never trained, so the training schedule is moot.
@@ -399,6 +446,7 @@ def tracked_settings(config: dict, rule: str) -> dict[str, Any]:
     """What the rule's params carry: a change of any of these re-runs it."""
     stage = STAGES[rule]
     values = {key: lookup(config, key) for key in stage.tracked}
+    values = {key: value for key, value in values.items() if not (key in MODE_SETTINGS and value is None)}
     if stage.software:
         values["software"] = {name: installed_version(name) for name in stage.software}
     return values
@@ -409,6 +457,7 @@ def item_settings(config: dict, rule: str) -> dict[str, Any]:
     is set aside. Extent settings are left out, so more shards or epochs reuse it."""
     stage = STAGES[rule]
     values = {key: _lookup_or_none(config, key) for key in stage.shaping}
+    values = {key: value for key, value in values.items() if not (key in MODE_SETTINGS and value is None)}
     values["software"] = {name: installed_version(name) for name in stage.software}
     return values
 

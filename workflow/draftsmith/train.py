@@ -5,8 +5,15 @@
 
 Everything a user can get wrong is checked before any work: the draft vocabulary
 against the target's, the layers against the target, a hidden-state file for every
-dataset row. On CPU the trainer runs through ``draftsmith.speculators_cpu``; on CUDA
-under torchrun with one process per GPU of the slot.
+stored dataset row. On CPU the trainer runs through ``draftsmith.speculators_cpu``; on
+CUDA under torchrun with one process per GPU of the slot.
+
+Under a ``hidden_states.disk_budget`` the rows past the stored ones are captured while
+training: this job starts the extraction server (same layers, connector and numerics, so
+a captured row equals a stored one) as a capture server in its own slot, and speculators
+asks it for each missing row when the trainer reaches it (``--on-missing generate``),
+loads the file and deletes it. Captured files live in ``STAGING/capture``, emptied at
+every start, so crashes never leave them behind.
 
 Checkpoints live in ``STAGING/checkpoints``, outside the declared outputs, so a crash
 or a Snakemake rerun keeps them: speculators resumes by itself from the newest epoch
@@ -22,6 +29,7 @@ the ``--speculative-config`` JSON (``num_speculative_tokens`` is its setting).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -31,6 +39,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +50,7 @@ from safetensors import safe_open
 
 from draftsmith.atomic import atomic_write_text, publish_directory
 from draftsmith.cli import SETTINGS_HELP, read_settings
+from draftsmith.disk_budget import RowSplit, row_split
 from draftsmith.errors import DraftsmithError
 from draftsmith.guard import guarded, stop_process_group, uncapped_environment
 from draftsmith.layers import LayerPlan, resolve_layers
@@ -53,8 +63,8 @@ from draftsmith.layout import (
     hidden_state_file,
 )
 from draftsmith.progress import log, stderr_file
-from draftsmith.server import log_tail
-from draftsmith.settings import item_settings, trainer_processes
+from draftsmith.server import Endpoint, ServerSpec, log_tail, managed_server
+from draftsmith.settings import item_settings, limited_budget, trainer_processes
 from draftsmith.slot import GpuSlotError, check_gpu_slot
 from draftsmith.speculators_cpu import METRICS_FILE_ENV
 from draftsmith.target import draft_vocab_problem, read_target_config
@@ -83,9 +93,15 @@ TRAIN_FLAGS = [
     "--loss-implementation",
     "--num-layers",
     "--hidden-states-dtype",
+    "--vllm-endpoint",
 ]
 CPU_TRAINER_FLAGS = ["--num-workers", "0", "--draft-attn-impl", "sdpa", "--hidden-states-dtype", "float32"]
 SHOW_MISSING = 5
+# Stands for the capture server's URL in the arguments (its port is new at every start):
+# the recorded arguments stay equal across restarts, so the checkpoints resume.
+CAPTURE_ENDPOINT = "<capture-server>"
+# speculators' dataset connects with this key built in; the server listens on loopback only.
+CAPTURE_API_KEY = "EMPTY"
 
 
 class TrainError(DraftsmithError):
@@ -118,6 +134,11 @@ class TrainPaths:
     def args_record(self) -> Path:
         return self.staging / "train_args.json"
 
+    @property
+    def capture(self) -> Path:
+        """Where the capture server writes the rows it is asked for (speculators deletes them)."""
+        return self.staging / "capture"
+
 
 # ---------------------------------------------------------------------------------------------
 # Checks before any work
@@ -141,17 +162,25 @@ def check_dataset(dataset: Path) -> int:
     return rows
 
 
-def check_hidden_states(paths: TrainPaths, rows: int, stored_layers: int, hidden_size: int) -> None:
-    """Every row has its file (speculators would stop at the first gap, mid-epoch), and
-    the first file has the stored layers and width this target and config imply."""
-    missing = [row for row in range(rows) if not hidden_state_file(paths.hidden_states, row).is_file()]
+def check_hidden_states(paths: TrainPaths, split: RowSplit, stored_layers: int, hidden_size: int) -> None:
+    """Every stored row has its file (speculators would stop at the first gap, mid-epoch),
+    no row past them has one (it would be trained on instead of captured), and the first
+    file has the stored layers and width this target and config imply."""
+    missing = [row for row in range(split.stored) if not hidden_state_file(paths.hidden_states, row).is_file()]
     if missing:
         named = ", ".join(row_label(paths.dataset, row) for row in missing[:SHOW_MISSING])
         more = f" and {len(missing) - SHOW_MISSING} more" if len(missing) > SHOW_MISSING else ""
         raise TrainError(
-            f"no hidden states for {len(missing)} of {rows} dataset rows in {paths.hidden_states}: "
-            f"{named}{more}; rerun the extraction stage"
+            f"no hidden states for {len(missing)} of {split.stored} stored dataset rows in "
+            f"{paths.hidden_states}: {named}{more}; rerun the extraction stage"
         )
+    if hidden_state_file(paths.hidden_states, split.stored).exists():
+        raise TrainError(
+            f"{paths.hidden_states} holds more rows than hidden_states.disk_budget stores ({split.stored}); "
+            "rerun the extraction stage"
+        )
+    if split.stored == 0:
+        return
     first = hidden_state_file(paths.hidden_states, 0)
     with safe_open(first, framework="pt") as handle:
         shape = handle.get_slice("hidden_states").get_shape()
@@ -162,15 +191,16 @@ def check_hidden_states(paths: TrainPaths, rows: int, stored_layers: int, hidden
         )
 
 
-def preflight(settings: dict, paths: TrainPaths) -> LayerPlan:
+def preflight(settings: dict, paths: TrainPaths) -> tuple[LayerPlan, RowSplit]:
     text_config = read_target_config(settings["target"]["model"])
     if problem := draft_vocab_problem(settings["training"]["draft_vocab_size"], text_config.get("vocab_size")):
         raise TrainError(problem)
     plan = resolve_layers(list(settings["layers"]), text_config["num_hidden_layers"])
-    rows = check_dataset(paths.dataset)
-    check_hidden_states(paths, rows, len(plan.vllm_ids), text_config["hidden_size"])
-    log(f"checked: {rows} rows with hidden states, aux vLLM ids {plan.aux_vllm_ids}")
-    return plan
+    check_dataset(paths.dataset)
+    split = row_split(paths.dataset, limited_budget(settings), len(plan.vllm_ids), text_config["hidden_size"])
+    check_hidden_states(paths, split, len(plan.vllm_ids), text_config["hidden_size"])
+    log(f"checked: {split.describe()}, aux vLLM ids {plan.aux_vllm_ids}")
+    return plan, split
 
 
 def training_processes(settings: dict, granted: int | None) -> int:
@@ -192,8 +222,9 @@ def training_processes(settings: dict, granted: int | None) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def speculators_args(settings: dict, plan: LayerPlan, paths: TrainPaths) -> list[str]:
-    """Arguments of `speculators train` (flags from DESIGN.md's CPU and H200 runs)."""
+def speculators_args(settings: dict, plan: LayerPlan, paths: TrainPaths, captures: bool = False) -> list[str]:
+    """Arguments of `speculators train` (flags from DESIGN.md's CPU and H200 runs);
+    ``captures``: rows without a file are asked of the capture server."""
     training = settings["training"]
     argv = [
         "--verifier-name-or-path",
@@ -221,8 +252,7 @@ def speculators_args(settings: dict, plan: LayerPlan, paths: TrainPaths) -> list
         str(paths.dataset_view),
         "--hidden-states-path",
         str(paths.hidden_states),
-        "--on-missing",
-        "raise",  # never fall back to generating through a vLLM endpoint
+        *(["--on-missing", "generate", "--vllm-endpoint", CAPTURE_ENDPOINT] if captures else ["--on-missing", "raise"]),
         "--loss-implementation",
         "eager",  # the fused Triton loss crashed under torch.compile
     ]
@@ -241,8 +271,35 @@ def launcher(settings: dict, processes: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes), *entry]
 
 
-def train_command(settings: dict, plan: LayerPlan, paths: TrainPaths, processes: int) -> list[str]:
-    return launcher(settings, processes) + speculators_args(settings, plan, paths)
+def train_command(settings: dict, plan: LayerPlan, paths: TrainPaths, processes: int, captures: bool) -> list[str]:
+    return launcher(settings, processes) + speculators_args(settings, plan, paths, captures)
+
+
+def with_endpoint(command: list[str], endpoint: Endpoint | None) -> list[str]:
+    return [endpoint.base_url if arg == CAPTURE_ENDPOINT and endpoint else arg for arg in command]
+
+
+@contextlib.contextmanager
+def capture_server(settings: dict, paths: TrainPaths, split: RowSplit) -> Iterator[Endpoint | None]:
+    """The extraction server, for the rows past the disk budget (None when all are stored).
+    Its files are deleted by speculators as it loads them; what a crash left goes here."""
+    if split.captured == 0:
+        yield None
+        return
+    from draftsmith.extract import extraction_server_args, target_shape
+
+    plan, shape = target_shape(settings)
+    shutil.rmtree(paths.capture, ignore_errors=True)
+    paths.capture.mkdir(parents=True)
+    extra = extraction_server_args(plan, paths.capture, shape.dtype)
+    if settings["device"] == "cuda":  # the trainer shares the GPUs: the server takes its share only
+        extra += ["--gpu-memory-utilization", str(settings["hidden_states"]["capture_memory_fraction"])]
+    log(f"{split.describe()}: starting the capture server")
+    try:
+        with managed_server(ServerSpec.from_config(settings, extra_args=extra), api_key=CAPTURE_API_KEY) as endpoint:
+            yield endpoint
+    finally:
+        shutil.rmtree(paths.capture, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -473,8 +530,9 @@ def link_dataset_view(paths: TrainPaths) -> None:
 
 def run(settings: dict, paths: TrainPaths, granted: int | None = None, untrained: bool = False) -> None:
     processes = training_processes(settings, granted)
-    plan = preflight(settings, paths)
-    command = train_command(settings, plan, paths, processes)
+    plan, split = preflight(settings, paths)
+    captures = split.captured > 0 and not untrained  # a dry run reads no data
+    command = train_command(settings, plan, paths, processes, captures)
     paths.staging.mkdir(parents=True, exist_ok=True)
     link_dataset_view(paths)
     if untrained:
@@ -484,11 +542,12 @@ def run(settings: dict, paths: TrainPaths, granted: int | None = None, untrained
         run_trainer([*command, "--dry-run"], paths.metrics, settings["training"]["stall_timeout_s"])
         publish(settings, plan, paths, paths.checkpoints)
         return
-    args = speculators_args(settings, plan, paths)
+    args = speculators_args(settings, plan, paths, captures)
     software = item_settings(settings, "train")["software"]
     reset_if_changed(paths, args, settings["training"]["epochs"], software)
     drop_unfinished_epoch(paths.checkpoints)
-    run_trainer(command, paths.metrics, settings["training"]["stall_timeout_s"])
+    with capture_server(settings, paths, split if captures else RowSplit(split.rows, split.rows)) as endpoint:
+        run_trainer(with_endpoint(command, endpoint), paths.metrics, settings["training"]["stall_timeout_s"])
     publish(settings, plan, paths, chosen_epoch(paths.checkpoints))
 
 

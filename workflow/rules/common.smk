@@ -5,7 +5,7 @@ from snakemake.exceptions import WorkflowError
 
 from draftsmith.layout import Layout
 from draftsmith.questions import is_local_source
-from draftsmith.settings import draft_lengths, dumps, tracked_settings
+from draftsmith.settings import draft_lengths, dumps, limited_budget, tracked_settings
 
 LAYOUT = Layout(config["results_dir"])
 RESULTS = str(LAYOUT.results)
@@ -16,7 +16,11 @@ RUN_CONFIG = str(LAYOUT.run_config)
 CONDA_ENV = f"../../envs/{'cpu' if config['device'] == 'cpu' else 'gpu'}.yaml"
 
 QUESTION_SHARDS = list(range(config["questions"]["shards"]))
-EXTRACTION_SHARDS = list(range(config["extraction"]["shards"]))
+# A disk budget of 0 stores no hidden states: training captures every row, nothing extracts.
+STORES_HIDDEN_STATES = limited_budget(config) != 0
+EXTRACTION_SHARDS = (
+    list(range(config["extraction"]["shards"])) if STORES_HIDDEN_STATES else []
+)
 
 
 def path(location):

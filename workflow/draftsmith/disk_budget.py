@@ -1,0 +1,108 @@
+"""How many hidden states go to disk, and which rows training captures on demand.
+
+``hidden_states.disk_budget`` caps the bytes of hidden states a run stores. Rows are
+stored in dataset order while they fit (``stored_rows``): the extraction stage covers
+rows ``0..N-1`` and the training job asks a capture server for every later row when
+the trainer reaches it (speculators' own online path), in every epoch. So:
+
+- ``"all"`` (the default): every row stored, nothing captured (offline);
+- ``0``: nothing stored, no extraction stage, every row captured in every epoch (online);
+- anything between: the first rows that fit stored, the rest captured (budget).
+
+A stored row costs its tokens x (stored layers x hidden size x 2 B of bf16 states + 8 B
+of token id) plus the safetensors header: ``row_bytes``, within a few hundred bytes of
+the file vLLM writes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftsmith.errors import DraftsmithError
+
+ALL = "all"
+BYTES_PER_VALUE = 2  # bf16, as vLLM writes the hidden states
+TOKEN_ID_BYTES = 8  # int64 token ids beside the states
+HEADER_BYTES = 256  # safetensors' JSON header of a two-tensor file, rounded up
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "PB": 10**15}
+UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "PIB": 2**50}
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+
+class DiskBudgetError(DraftsmithError):
+    pass
+
+
+def parse_budget(value: int | str) -> int | None:
+    """Bytes, or None for "all". Accepts 0, 500000000000, "500 GB", "2TiB", "all"."""
+    if isinstance(value, bool):
+        raise DiskBudgetError(f'hidden_states.disk_budget {value!r} is not a size; use bytes, e.g. "500 GB", or all')
+    if isinstance(value, int):
+        if value < 0:
+            raise DiskBudgetError(f"hidden_states.disk_budget {value} is negative; use 0 (fully online) or more")
+        return value
+    if value.strip().lower() == ALL:
+        return None
+    match = SIZE.match(value)
+    unit = match.group(2).upper() if match else ""
+    unit = unit if unit.endswith("B") or not unit else unit + "B"  # "500 G" is "500 GB"
+    if not match or unit not in UNITS:
+        raise DiskBudgetError(
+            f'hidden_states.disk_budget {value!r} is not a size; write bytes with a unit, e.g. "500 GB" or '
+            '"2 TiB", 0 for fully online, or "all"'
+        )
+    return int(float(match.group(1)) * UNITS[unit])
+
+
+def row_bytes(tokens: int, stored_layers: int, hidden_size: int) -> int:
+    return tokens * (stored_layers * hidden_size * BYTES_PER_VALUE + TOKEN_ID_BYTES) + HEADER_BYTES
+
+
+def stored_rows(row_tokens: Sequence[int], budget: int | None, stored_layers: int, hidden_size: int) -> int:
+    """How many leading rows fit the budget (all of them for None)."""
+    if budget is None:
+        return len(row_tokens)
+    used = 0
+    for row, tokens in enumerate(row_tokens):
+        used += row_bytes(tokens, stored_layers, hidden_size)
+        if used > budget:
+            return row
+    return len(row_tokens)
+
+
+def dataset_row_tokens(dataset: Path) -> list[int]:
+    """Tokens per row of a prepared dataset (its ``input_ids`` lengths)."""
+    import pyarrow.compute as pc
+    from datasets import load_from_disk
+
+    table = load_from_disk(str(dataset)).data.table
+    return pc.list_value_length(table.column("input_ids")).to_pylist()
+
+
+@dataclass(frozen=True)
+class RowSplit:
+    """Rows ``0..stored-1`` are on disk; ``stored..rows-1`` are captured on demand."""
+
+    rows: int
+    stored: int
+
+    @property
+    def captured(self) -> int:
+        return self.rows - self.stored
+
+    @property
+    def mode(self) -> str:
+        if self.captured == 0:
+            return "offline"
+        return "online" if self.stored == 0 else "budget"
+
+    def describe(self) -> str:
+        return f"{self.stored} of {self.rows} rows stored, {self.captured} captured on demand ({self.mode})"
+
+
+def row_split(dataset: Path, budget: int | None, stored_layers: int, hidden_size: int) -> RowSplit:
+    tokens = dataset_row_tokens(dataset)
+    return RowSplit(len(tokens), stored_rows(tokens, budget, stored_layers, hidden_size))
