@@ -25,8 +25,9 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
-from draftsmith import extract
+from draftsmith import extract, train
 from draftsmith.demo_model import deepseek_config
+from draftsmith.disk_budget import RowSplit
 from draftsmith.extract import ExtractionError, check_settings, serving_dtype, shard_range
 from draftsmith.layout import hidden_state_file
 from draftsmith.settings import item_settings
@@ -254,6 +255,37 @@ def test_interrupted_publish_is_recovered_without_server(
     assert result.requested == [] and result.skipped == len(tiny_rows())
     assert len(list(output.glob("hs_*"))) == len(tiny_rows())
     assert not extract.publishing_dir(output).exists()
+
+
+@pytest.mark.vllm
+def test_a_row_captured_while_training_equals_the_stored_row(
+    tiny_model: Path, dataset_dir: Path, extracted_tp1, tmp_path: Path
+) -> None:
+    """Past a disk budget the training job's capture server answers speculators' own
+    dataset (``--on-missing generate``): the same tokens and states as the extraction
+    stage stored, and no captured file is left behind."""
+    from hs_connectors.transfer import FileTransfer
+    from speculators.train.data import ArrowDataset
+
+    _, stored = extracted_tp1
+    settings = settings_for(tiny_model) | {"hidden_states": {"disk_budget": 0, "capture_memory_fraction": 0.5}}
+    empty = tmp_path / "no_stored_rows"
+    empty.mkdir()
+    paths = train.TrainPaths(dataset_dir, empty, tmp_path / "staging", tmp_path / "drafter")
+    rows = len(tiny_rows())
+    with train.capture_server(settings, paths, RowSplit(rows, 0)) as endpoint:
+        assert endpoint is not None and endpoint.api_key == train.CAPTURE_API_KEY
+        online = ArrowDataset(
+            max_len=512, datapath=str(dataset_dir), transfer=FileTransfer(empty), vllm_endpoint=endpoint.base_url
+        )
+        for row in (2, 3, 5, rows - 1):
+            captured = online[row]
+            want = load_file(hidden_state_file(stored, row))
+            assert captured["input_ids"].tolist() == want["token_ids"].tolist() == tiny_rows()[row]
+            assert torch.equal(captured["hidden_states"], want["hidden_states"][:, :-1].flatten(1)), f"row {row}"
+            assert torch.equal(captured["verifier_last_hidden_states"], want["hidden_states"][:, -1]), f"row {row}"
+        assert list(paths.capture.iterdir()) == []  # each file deleted once loaded
+    assert not paths.capture.exists()
 
 
 def test_shards_are_contiguous_and_cover_everything() -> None:
