@@ -10,8 +10,8 @@ from pathlib import Path
 from conftest import ROOT, heavy_processes_after
 from openai import OpenAI
 
-from draftsmith.evaluate import read_metrics, spec_decode_counters
-from draftsmith.server import Endpoint, free_port, wait_until_healthy
+from draftsmith.evaluate import spec_decode_counters
+from draftsmith.server import Endpoint, free_port, read_metrics, wait_until_healthy
 
 
 def serve_and_measure(workdir: Path, results_dir: str, prompts: int = 8) -> float:

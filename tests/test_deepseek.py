@@ -1,6 +1,7 @@
 """The production family end to end on CPU: config/deepseek-v3-tiny.yaml (a DeepSeek-V3 /
 Kimi-architecture target, MLA + MoE, built and trained locally) through generation, dataset,
-extraction, training and evaluation, for real."""
+extraction, training and evaluation, for real; under a disk budget, so training captures a
+quarter of its rows from a capture server in every epoch (the mixed path)."""
 
 import json
 import subprocess
@@ -9,8 +10,11 @@ from pathlib import Path
 
 import pytest
 from conftest import copy_workflow
+from datasets import load_from_disk
 from serve_check import serve_and_measure
 from transformers import AutoTokenizer
+
+from draftsmith.disk_budget import parse_budget
 
 pytestmark = pytest.mark.e2e
 CONFIG = "config/deepseek-v3-tiny.yaml"
@@ -58,6 +62,26 @@ def test_answers_keep_their_think_tags_and_only_the_answer_is_trained(deepseek_r
         answer = record["input_ids"][record["prompt_tokens"] :]
         with_tags += answer[:1] == [think_open] and think_close in answer
     assert with_tags >= 0.9 * len(records), f"{with_tags} of {len(records)} answers keep <think>...</think>"
+
+
+def test_training_captured_every_row_past_the_disk_budget_in_every_epoch(deepseek_run):
+    """The config's disk budget stores part of the rows; training got the rest from its
+    capture server (counted by the server itself) and left no captured file behind."""
+    manifest = json.loads((deepseek_run / "hidden_states/shard_0/manifest.json").read_text())
+    rows = load_from_disk(str(deepseek_run / "dataset")).num_rows
+    stored = manifest["stored_rows"]
+    assert manifest["bytes"] <= parse_budget("25 MB") and stored == manifest["num_rows"]
+    assert rows - stored >= rows / 5, (rows, stored)  # at least a fifth captured
+    assert len(list((deepseek_run / "hidden_states/all").iterdir())) == stored
+    metrics = json.loads((deepseek_run / "drafter/training_metrics.json").read_text())
+    epochs = len(metrics["epochs"])
+    assert (metrics["rows_stored"], metrics["rows_captured_per_epoch"]) == (stored, rows - stored)
+    assert metrics["capture_requests"] >= (rows - stored) * epochs, metrics["capture_requests"]
+    assert not (deepseek_run / ".staging/train/capture").exists()
+    assert (
+        f"{stored} of {rows} rows stored, {rows - stored} captured on demand (budget)"
+        in (deepseek_run / "logs/train.log").read_text()
+    )
 
 
 def test_the_drafter_reads_the_extracted_layers(deepseek_run):

@@ -3,6 +3,8 @@
 import argparse
 import dataclasses
 import json
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -340,7 +342,9 @@ def test_the_flags_the_stages_pass_are_the_declared_ones(tmp_path):
 
     settings = demo_settings(tmp_path)
     paths = train.TrainPaths(tmp_path / "d", tmp_path / "h", tmp_path / "s", tmp_path / "o")
-    argv = train.speculators_args(settings, resolve_layers(settings["layers"], 6), paths) + train.CPU_TRAINER_FLAGS
+    layers = resolve_layers(settings["layers"], 6)
+    argv = train.speculators_args(settings, layers, paths) + train.CPU_TRAINER_FLAGS
+    argv += train.speculators_args(settings, layers, paths, captures=True)  # past a disk budget
     assert {a for a in argv if a.startswith("--")} <= set(preflight.TRAIN_FLAGS)
     command = dataset.prepare_data_command(
         settings | {"target": settings["target"] | {"trust_remote_code": True}}, tmp_path, tmp_path
@@ -350,3 +354,20 @@ def test_the_flags_the_stages_pass_are_the_declared_ones(tmp_path):
     spec = server.ServerSpec("m", max_model_len=8, trust_remote_code=True)
     options = {a.removeprefix("--").replace("-", "_") for a in spec.command(1) if a.startswith("--")}
     assert options - {"model", "host", "port"} <= set(preflight.ENGINE_ARGS)
+
+
+def test_hidden_states_past_the_free_disk_name_the_budget_that_fits(target, tmp_path, monkeypatch):
+    """Offline does not fit: one line with the budget that does; with that budget set, it passes."""
+    from draftsmith import plan
+
+    settings = demo_settings(target)
+    free = 2 * 10**6  # 2 MB free: the demo's hidden states need more
+    monkeypatch.setattr(plan.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(free, 0, free))
+    [problem] = preflight.check_disk(settings, tmp_path / "results")
+    budget = re.search(r"set hidden_states.disk_budget: (\"[^\"]+\") \(training captures the other rows\)", problem)
+    assert budget and "\n" not in problem, problem
+    settings["hidden_states"]["disk_budget"] = yaml.safe_load(budget.group(1))
+    validate(settings, str(ROOT / "workflow/schemas/config.schema.yaml"))
+    assert preflight.check_disk(settings, tmp_path / "results") == []
+    settings["hidden_states"]["disk_budget"] = 0
+    assert preflight.check_disk(settings, tmp_path / "results") == []

@@ -408,3 +408,17 @@ def test_the_trainer_gets_no_thread_caps_from_snakemake(tmp_path, monkeypatch):
         stall_timeout_s=600,
     )
     assert "trainer sees OMP_NUM_THREADS=None" in log
+
+
+def test_the_trainer_waits_for_a_captured_file_in_10_ms_steps(monkeypatch):
+    from hs_connectors import transfer
+
+    calls = []
+    monkeypatch.setattr(
+        transfer,
+        "wait_for_lock",
+        lambda lock, timeout=10.0, poll_interval=0.1: calls.append((lock, timeout, poll_interval)),
+    )
+    speculators_cpu.quicker_capture_wait()
+    transfer.wait_for_lock("hs_7.safetensors.lock")  # as hs_connectors calls it
+    assert calls == [("hs_7.safetensors.lock", 10.0, speculators_cpu.CAPTURE_LOCK_POLL_S)]

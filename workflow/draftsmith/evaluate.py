@@ -30,7 +30,6 @@ import dataclasses
 import json
 import math
 import time
-import urllib.request
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,7 +42,7 @@ from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.client import SPECULATORS_CLIENT, chat_poster, open_session
 from draftsmith.evaluation_sets import read_prompts
 from draftsmith.progress import Progress, log
-from draftsmith.server import Endpoint, ServerSpec
+from draftsmith.server import Endpoint, ServerSpec, read_metrics
 from draftsmith.server_stage import RequestPolicy, ServerStage, StageError
 from draftsmith.serving import EvaluationAttention, evaluation_attention
 from draftsmith.settings import concurrencies, draft_lengths, lookup
@@ -126,12 +125,6 @@ def spec_decode_counters(metrics_text: str) -> dict[str, Any]:
             if sample.name in names:
                 totals[names[sample.name]] += int(sample.value)
     return totals
-
-
-def read_metrics(endpoint: Endpoint) -> str:
-    request = urllib.request.Request(f"{endpoint.root_url}/metrics", headers=endpoint.headers())
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return response.read().decode()
 
 
 async def run_phase(stage: ServerStage[int], endpoint: Endpoint, prompts: list[dict], phase: Phase, label: str) -> None:

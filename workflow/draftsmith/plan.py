@@ -28,6 +28,7 @@ from draftsmith.target import read_target_config
 BYTES_PER_VALUE = 2  # bf16, as vLLM writes the hidden states
 # The share of the free disk a suggested budget takes: the rest is for checkpoints and logs.
 FREE_DISK_SHARE = 0.9
+CONFIGURED_BUDGET = "budget (configured)"
 # Until the questions stage has run, prompts are assumed this long (chat template included).
 ASSUMED_PROMPT_TOKENS = 256
 
@@ -184,6 +185,19 @@ def storage_modes(settings: dict, rows: int, per_row: float, layers: int, hidden
     return modes + [storage_mode("online", settings, rows, 0, per_row, layers, hidden)]
 
 
+def configured_mode(plan: dict, settings: dict) -> dict:
+    """The storage mode this config runs in (``storage_modes``' row for it)."""
+    budget = limited_budget(settings)
+    name = "offline" if budget is None else "online" if budget == 0 else CONFIGURED_BUDGET
+    return next(mode for mode in plan["storage_modes"] if mode["mode"] == name)
+
+
+def fitting_budget(plan: dict) -> str | None:
+    """The budget to suggest when offline does not fit the free disk, as the config spells it."""
+    fits = [mode for mode in plan["storage_modes"] if "budget_bytes" in mode]
+    return f'"{human_bytes(fits[0]["budget_bytes"])}"' if fits else None
+
+
 def evaluation_loads(settings: dict) -> int:
     """The target alone once, once per draft length, and the untrained drafter once: on a
     1T-parameter target each load is many minutes, so a long sweep shows here first."""
@@ -214,7 +228,7 @@ def storage_rows(plan: dict) -> list[tuple[str, str]]:
             rows.append(
                 (
                     "  offline does not fit the free disk",
-                    f'set hidden_states.disk_budget: "{human_bytes(mode["budget_bytes"])}" (stores {share:.1%} '
+                    f"set hidden_states.disk_budget: {fitting_budget(plan)} (stores {share:.1%} "
                     "of the rows, captures the rest in every epoch) or 0 (online)",
                 )
             )

@@ -39,7 +39,7 @@ from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_config
 from draftsmith.errors import DraftsmithError
 from draftsmith.layers import LayerConfigError, resolve_layers
-from draftsmith.plan import existing_parent, plan_for
+from draftsmith.plan import configured_mode, existing_parent, fitting_budget, plan_for
 from draftsmith.questions import first_row_problem, is_local_source
 from draftsmith.serving import MLA_DISABLE_ENV, ServingError, evaluation_attention, mla_latent_problem
 from draftsmith.slot import gpus_needed
@@ -349,12 +349,19 @@ def check_gpus(settings: dict) -> list[str]:
 
 
 def check_disk(settings: dict, results: Path) -> list[str]:
+    """The hidden states this config stores (all, or its disk budget, plus the captured
+    files in flight) fit the free disk; if not, the line names the budget that does."""
     plan = plan_for(settings, results)
-    needed, free = plan["hidden_state_bytes_to_write"], plan["free_disk_bytes"]
+    written = plan["hidden_state_bytes"] - plan["hidden_state_bytes_to_write"]
+    needed = max(configured_mode(plan, settings)["peak_disk_bytes"] - written, 0)
+    free = plan["free_disk_bytes"]
     if needed > free:
+        budget = fitting_budget(plan)
+        fix = f"set hidden_states.disk_budget: {budget} (training captures the other rows)" if budget else ""
         return [
             f"the hidden states need {needed / 1e9:.1f} GB but {existing_parent(results)} has "
-            f"{free / 1e9:.1f} GB free; free space, move results/ to a bigger disk, or lower questions.limit"
+            f"{free / 1e9:.1f} GB free; {fix or 'set hidden_states.disk_budget: 0 (every row captured)'}, "
+            "free space, or move results/ to a bigger disk"
         ]
     return []
 

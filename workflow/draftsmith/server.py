@@ -68,6 +68,13 @@ class Endpoint:
         return {"Authorization": f"Bearer {self.api_key}"}
 
 
+def read_metrics(endpoint: Endpoint) -> str:
+    """The server's Prometheus page (its own counters: requests, tokens, drafts)."""
+    request = urllib.request.Request(f"{endpoint.root_url}/metrics", headers=endpoint.headers())
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return response.read().decode()
+
+
 @dataclass(frozen=True)
 class ServerSpec:
     """How to launch vLLM for one job (from the ``server`` section of the config)."""

@@ -63,7 +63,7 @@ from draftsmith.layout import (
     hidden_state_file,
 )
 from draftsmith.progress import log, stderr_file
-from draftsmith.server import Endpoint, ServerSpec, log_tail, managed_server
+from draftsmith.server import Endpoint, ServerSpec, log_tail, managed_server, read_metrics
 from draftsmith.settings import item_settings, limited_budget, trainer_processes
 from draftsmith.slot import GpuSlotError, check_gpu_slot
 from draftsmith.speculators_cpu import METRICS_FILE_ENV
@@ -291,7 +291,8 @@ def capture_server(settings: dict, paths: TrainPaths, split: RowSplit) -> Iterat
     plan, shape = target_shape(settings)
     shutil.rmtree(paths.capture, ignore_errors=True)
     paths.capture.mkdir(parents=True)
-    extra = extraction_server_args(plan, paths.capture, shape.dtype)
+    # Its numerics are the extraction server's; only its access log (a line per row) is off.
+    extra = [*extraction_server_args(plan, paths.capture, shape.dtype), "--disable-uvicorn-access-log"]
     if settings["device"] == "cuda":  # the trainer shares the GPUs: the server takes its share only
         extra += ["--gpu-memory-utilization", str(settings["hidden_states"]["capture_memory_fraction"])]
     log(f"{split.describe()}: starting the capture server")
@@ -504,12 +505,27 @@ def epoch_metrics(metrics_file: Path) -> list[dict]:
     return result
 
 
-def publish(settings: dict, plan: LayerPlan, paths: TrainPaths, epoch_dir: Path) -> None:
+def capture_requests(endpoint: Endpoint) -> int:
+    """Rows the capture server answered, by its own counter (finished requests)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return int(
+        sum(
+            sample.value
+            for family in text_string_to_metric_families(read_metrics(endpoint))
+            for sample in family.samples
+            if sample.name == "vllm:request_success_total"
+        )
+    )
+
+
+def publish(settings: dict, plan: LayerPlan, paths: TrainPaths, epoch_dir: Path, data: dict | None = None) -> None:
+    """``data``: where the rows came from (stored, captured and the capture requests made)."""
     partial = paths.staging / "drafter.partial"
     shutil.rmtree(partial, ignore_errors=True)
     stage_drafter(epoch_dir, plan, partial)
     published = int(epoch_dir.name) if epoch_dir.name.isdigit() else None  # None: untrained
-    metrics = {"published_epoch": published, "epochs": epoch_metrics(paths.metrics)}
+    metrics = {"published_epoch": published, "epochs": epoch_metrics(paths.metrics), **(data or {})}
     atomic_write_text(partial / TRAINING_METRICS, json.dumps(metrics, indent=2) + "\n")
     publish_directory(partial, paths.output)
     log(f"published epoch {epoch_dir.name} to {paths.output}")
@@ -546,9 +562,13 @@ def run(settings: dict, paths: TrainPaths, granted: int | None = None, untrained
     software = item_settings(settings, "train")["software"]
     reset_if_changed(paths, args, settings["training"]["epochs"], software)
     drop_unfinished_epoch(paths.checkpoints)
-    with capture_server(settings, paths, split if captures else RowSplit(split.rows, split.rows)) as endpoint:
+    data = {"rows_stored": split.stored, "rows_captured_per_epoch": split.captured, "capture_requests": 0}
+    with capture_server(settings, paths, split) as endpoint:
         run_trainer(with_endpoint(command, endpoint), paths.metrics, settings["training"]["stall_timeout_s"])
-    publish(settings, plan, paths, chosen_epoch(paths.checkpoints))
+        if endpoint is not None:
+            data["capture_requests"] = capture_requests(endpoint)
+            log(f"the capture server answered {data['capture_requests']} requests for rows past the disk budget")
+    publish(settings, plan, paths, chosen_epoch(paths.checkpoints), data)
 
 
 def main(argv: list[str] | None = None) -> None:
