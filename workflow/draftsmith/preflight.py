@@ -38,10 +38,12 @@ from draftsmith import vllm_cpu_amx, vllm_cpu_rope, vllm_cpu_sampling
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_config
 from draftsmith.errors import DraftsmithError
+from draftsmith.gpu_memory import checkpoint_bytes, split_problems
 from draftsmith.layers import LayerConfigError, resolve_layers
 from draftsmith.plan import configured_mode, existing_parent, fitting_budget, plan_for
 from draftsmith.questions import first_row_problem, is_local_source
 from draftsmith.serving import MLA_DISABLE_ENV, ServingError, evaluation_attention, mla_latent_problem
+from draftsmith.settings import limited_budget
 from draftsmith.slot import gpus_needed
 from draftsmith.target import draft_vocab_problem, read_target_config
 
@@ -348,6 +350,20 @@ def check_gpus(settings: dict) -> list[str]:
     return []
 
 
+def check_capture_memory(settings: dict) -> list[str]:
+    """Under a disk budget on cuda: the capture server and the trainer fit each GPU together
+    (gpu_memory.py). Skipped without a visible GPU or the target's weight files."""
+    if settings["device"] != "cuda" or limited_budget(settings) is None:
+        return []
+    import torch
+
+    weights = checkpoint_bytes(settings["target"]["model"])
+    if not torch.cuda.is_available() or not weights:
+        return []
+    gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+    return split_problems(settings, read_target_config(settings["target"]["model"]), gpu_bytes, weights)
+
+
 def check_disk(settings: dict, results: Path) -> list[str]:
     """The hidden states this config stores (all, or its disk budget, plus the captured
     files in flight) fit the free disk; if not, the line names the budget that does."""
@@ -409,7 +425,7 @@ def run_checks(
         problems += check_gpus(settings)
     if target:
         target_problems = check_target(settings)
-        problems += target_problems or check_disk(settings, results)
+        problems += target_problems or check_disk(settings, results) + check_capture_memory(settings)
     return problems
 
 
