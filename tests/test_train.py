@@ -234,6 +234,12 @@ def test_changed_arguments_or_unfinished_epoch_drop_checkpoints(target, dataset,
     (paths.checkpoints / "0").mkdir(parents=True)
     reset_if_changed(paths, speculators_args(settings(target, lr=0.1), plan, paths), 5, software)
     assert not paths.checkpoints.exists()
+    # Past a disk budget the capture server's port is new at every start; the checkpoints stay.
+    captured = speculators_args(settings(target), plan, paths, captures=True)
+    reset_if_changed(paths, captured, 5, software)
+    (paths.checkpoints / "0").mkdir(parents=True)
+    reset_if_changed(paths, speculators_args(settings(target), plan, paths, captures=True), 5, software)
+    assert (paths.checkpoints / "0").is_dir()
 
 
 def test_cuda_runs_one_torchrun_process_per_gpu_of_the_slot(tmp_path, monkeypatch):
@@ -394,6 +400,17 @@ def test_a_trainer_out_of_gpu_memory_is_named_with_the_fix(tmp_path):
     assert log.rstrip().splitlines()[-1] == (
         "draftsmith.train.TrainError: speculators train ran out of GPU memory (exit 1); lower "
         "training.total_seq_len (tokens per step) and rerun"
+    )
+
+
+def test_a_disk_that_fills_while_training_is_named_with_the_fix(tmp_path):
+    """The capture server's write failing on a full disk (a real one cannot be filled on
+    demand here): the trainer exits after its retries, and the stage says why in one line."""
+    full = "print('OSError: [Errno 28] No space left on device', file=sys.stderr, flush=True)"
+    log = run_stage_with_trainer(f"import sys; {full}; sys.exit(1)", tmp_path, stall_timeout_s=600)
+    assert log.rstrip().splitlines()[-1] == (
+        "draftsmith.train.TrainError: the disk filled while training (exit 1: captured rows or a checkpoint could "
+        "not be written); free space or lower hidden_states.disk_budget, then rerun: training resumes"
     )
 
 

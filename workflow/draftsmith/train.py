@@ -426,10 +426,18 @@ def run_trainer(command: list[str], metrics_file: Path, stall_timeout_s: float) 
         stop_process_group(process)
     if returncode != 0:
         log_path = stderr_file()
-        if log_path and "OutOfMemoryError" in log_tail(log_path, 400):
+        tail = log_tail(log_path, 400) if log_path else ""
+        if "OutOfMemoryError" in tail:
             raise TrainError(
                 f"speculators train ran out of GPU memory (exit {returncode}); lower "
                 "training.total_seq_len (tokens per step) and rerun"
+            )
+        if "No space left on device" in tail:
+            # A capture server or a checkpoint save that found the disk full: the captured
+            # files are deleted with this job, the finished epochs are kept.
+            raise TrainError(
+                f"the disk filled while training (exit {returncode}: captured rows or a checkpoint could not be "
+                "written); free space or lower hidden_states.disk_budget, then rerun: training resumes"
             )
         raise TrainError(f"speculators train failed (exit {returncode}); see the log above")
 
