@@ -35,6 +35,7 @@ from draftsmith.settings import (
     WHERE,
     downstream,
     draft_lengths,
+    limited_budget,
     lookup,
     reruns,
     swept,
@@ -295,6 +296,9 @@ MATRIX = [
     ("extraction.concurrency", 4),
     ("extraction.request_timeout_s", 100),
     ("extraction.max_retries", 1),
+    ("hidden_states.disk_budget", "1 MB"),  # part of the rows stored, the rest captured
+    ("hidden_states.disk_budget", 0),  # fully online: no extraction job
+    ("hidden_states.capture_memory_fraction", 0.6),
     ("training.epochs", 16),
     ("training.lr", 0.001),
     ("training.draft_vocab_size", 150),
@@ -343,6 +347,8 @@ def expected_reruns(base: dict, changed: dict, key: str) -> set[str]:
         found.discard("demo_model")
     if not changed["evaluation"]["compare_untrained"]:
         found.discard("untrained_drafter")
+    if limited_budget(changed) == 0:  # nothing stored: the DAG has no extraction job
+        found.discard("extract")
     # A swept setting's new values are jobs of their own (the untrained drafter's too, when
     # the default draft length changes).
     if key in SWEPT and set(swept(lookup(changed, key))) - set(swept(lookup(base, key))):
