@@ -165,3 +165,16 @@ def test_a_stage_sees_only_what_its_rule_declares():
         view["training"]
     assert stage_view({"target": {"model": "m"}}, "generate") == {"target": {"model": "m"}}
     assert stage_view(demo_config(), "run_metadata") == demo_config()
+
+
+@pytest.mark.parametrize("rule", ["extract", "training_view", "train", "untrained_drafter", "plan"])
+def test_every_stage_that_sizes_the_stored_rows_sees_the_disk_budget(rule):
+    """The stages that read hidden_states.disk_budget (directly or through the training
+    stage's checks) get it in their view: a missing key was a KeyError only an e2e found."""
+    config = demo_config()
+    config["hidden_states"]["disk_budget"] = "1 MB"
+    view = settings.stage_view(config, rule)
+    if rule == "training_view":  # reads the shards' manifests, never the config
+        assert "hidden_states" not in view
+    else:
+        assert settings.limited_budget(view) == 10**6

@@ -348,7 +348,14 @@ STAGES: dict[str, Stage] = {
     "untrained_drafter": Stage(
         shaping=(*DRAFTER_SHAPE, "device"),
         extent=("target.build_demo",),
-        operational=(*SERVER_PLACEMENT, *TRAINING_TIME, "target.trust_remote_code", "training.stall_timeout_s"),
+        # The budget only says which rows have files (its preflight checks them).
+        operational=(
+            *SERVER_PLACEMENT,
+            *TRAINING_TIME,
+            "target.trust_remote_code",
+            "training.stall_timeout_s",
+            "hidden_states.disk_budget",
+        ),
         software=("speculators", "torch", "transformers"),
     ),
     "evaluation_sets": Stage(shaping=("evaluation.sets", "evaluation.limit")),
