@@ -105,13 +105,12 @@ def delete_hidden_states(layout: Layout) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def run_mode(workdir: Path, layout: Layout, name: str, budget: int | str, epochs: int) -> dict:
+def run_mode(workdir: Path, layout: Layout, name: str, hidden_states: dict, epochs: int) -> dict:
+    """One run from the finished dataset with this ``hidden_states`` section."""
     delete_hidden_states(layout)
     override = workdir / f"scale_{name}.yaml"
     training = {**yaml.safe_load((workdir / "config/config.yaml").read_text())["training"], "epochs": epochs}
-    override.write_text(
-        json.dumps({"hidden_states": {"disk_budget": budget}, "evaluation": EVALUATION, "training": training})
-    )
+    override.write_text(json.dumps({"hidden_states": hidden_states, "evaluation": EVALUATION, "training": training}))
     target = layout.drafter_measurement(DRAFT_LENGTH).relative_to(workdir)
     command = [sys.executable, "-m", "snakemake", "--configfile", "config/config.yaml", str(override)]
     command += ["--cores", "all", "--resources", "gpu=8", "--forcerun", "train", "--", str(target)]
@@ -121,7 +120,7 @@ def run_mode(workdir: Path, layout: Layout, name: str, budget: int | str, epochs
     train_seconds = float(layout.benchmark("train").read_text().splitlines()[1].split("\t")[0])
     return {
         "mode": name,
-        "disk_budget": budget,
+        **hidden_states,
         "epochs": epochs,
         "peak_hidden_state_bytes": sampler.peak,
         "disk_samples": sampler.samples,
@@ -140,10 +139,10 @@ def main() -> None:
     args = parser.parse_args()
     workdir = args.workdir.resolve()
     layout = Layout(workdir / "results")
-    modes = [run_mode(workdir, layout, "offline", "all", args.epochs)]
+    modes = [run_mode(workdir, layout, "offline", {"disk_budget": "all"}, args.epochs)]
     offline_bytes = modes[0]["hidden_state_bytes_after"]
-    modes.append(run_mode(workdir, layout, "budget", offline_bytes // 2, args.epochs))
-    modes.append(run_mode(workdir, layout, "online", 0, args.epochs))
+    modes.append(run_mode(workdir, layout, "budget", {"disk_budget": offline_bytes // 2}, args.epochs))
+    modes.append(run_mode(workdir, layout, "online", {"disk_budget": 0}, args.epochs))
     offline, budget, online = modes
     write_result(
         "scale",

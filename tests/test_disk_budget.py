@@ -36,6 +36,14 @@ def test_a_row_costs_its_states_its_token_ids_and_a_header():
     assert row_bytes(1, 4, 7168) - row_bytes(0, 4, 7168) == 56 * 1024 + 8
 
 
+def test_an_fp8_row_costs_a_byte_per_value_and_a_scale_per_token():
+    assert row_bytes(1, 4, 7168, fp8=True) - row_bytes(0, 4, 7168, fp8=True) == 28 * 1024 + 4 + 8
+    tokens = [500] * 100
+    budget = sum(row_bytes(t, 4, 7168) for t in tokens[:40])
+    assert stored_rows(tokens, budget, 4, 7168) == 40
+    assert stored_rows(tokens, budget, 4, 7168, fp8=True) == 79  # about twice the rows
+
+
 def test_leading_rows_are_stored_while_they_fit():
     tokens = [10, 20, 30, 40]
     each = [row_bytes(t, 4, 16) for t in tokens]

@@ -21,7 +21,7 @@ import pytest
 import torch
 from conftest import VLLM_ENV, server_settings
 from datasets import Dataset
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
@@ -29,8 +29,10 @@ from draftsmith import extract, train
 from draftsmith.demo_model import deepseek_config
 from draftsmith.disk_budget import RowSplit
 from draftsmith.extract import ExtractionError, check_settings, serving_dtype, shard_range
+from draftsmith.layers import resolve_layers
 from draftsmith.layout import hidden_state_file
 from draftsmith.settings import item_settings
+from draftsmith.shard_gate import check_sample
 from draftsmith.staging import open_staging
 
 NUM_LAYERS = 5
@@ -268,7 +270,9 @@ def test_a_row_captured_while_training_equals_the_stored_row(
     from speculators.train.data import ArrowDataset
 
     _, stored = extracted_tp1
-    settings = settings_for(tiny_model) | {"hidden_states": {"disk_budget": 0, "capture_memory_fraction": 0.5}}
+    settings = settings_for(tiny_model) | {
+        "hidden_states": {"disk_budget": 0, "stored_dtype": "served", "capture_memory_fraction": 0.5}
+    }
     empty = tmp_path / "no_stored_rows"
     empty.mkdir()
     paths = train.TrainPaths(dataset_dir, empty, tmp_path / "staging", tmp_path / "drafter")
@@ -335,6 +339,36 @@ def test_the_connector_named_to_vllm_is_ours() -> None:
 
     assert extract.CONNECTOR_MODULE == hidden_states_connector.__name__
     assert extract.CONNECTOR_NAME == hidden_states_connector.CONNECTOR_NAME
+    assert extract.FP8_CONNECTOR_NAME == hidden_states_connector.FP8_CONNECTOR_NAME
+    for fp8, name in ((False, extract.CONNECTOR_NAME), (True, extract.FP8_CONNECTOR_NAME)):
+        shape = extract.SampleShape(3, 64, torch.bfloat16, fp8)
+        args = extract.extraction_server_args(resolve_layers([0, 2, 5], 6), Path("/s"), shape)
+        transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
+        assert transfer["kv_connector"] == name and getattr(hidden_states_connector, name)
+        assert args[args.index("--dtype") + 1] == "bfloat16"  # the target runs as served either way
+
+
+@pytest.mark.vllm
+def test_an_fp8_row_is_the_stored_row_within_fp8_precision(extracted_tp1, tmp_path: Path) -> None:
+    """The fp8 connector's file of a real stored row passes the gate as fp8, and speculators'
+    fp8 backend loads it back within e4m3's precision of the bf16 row, at half the bytes."""
+    from hs_connectors.transfer import FP8Transfer
+
+    from draftsmith.hidden_states_connector import CpuSafeFP8HiddenStatesConnector
+
+    _, stored = extracted_tp1
+    row = 3
+    served = load_file(hidden_state_file(stored, row))
+    tensors = CpuSafeFP8HiddenStatesConnector._file_tensors(served["hidden_states"], served["token_ids"])
+    save_file(tensors, str(hidden_state_file(tmp_path, row)))
+    check_sample(hidden_state_file(tmp_path, row), tiny_rows()[row], 3, 128, torch.float8_e4m3fn)
+    loaded = FP8Transfer(tmp_path).get_cached(row)
+    assert loaded is not None and loaded["hidden_states"].dtype == torch.bfloat16
+    error = (loaded["hidden_states"].float() - served["hidden_states"].float()).abs()
+    bound = served["hidden_states"].float().abs().amax(dim=(1, 2), keepdim=True) / 448 * 32  # e4m3: 3 mantissa bits
+    assert bool((error <= bound).all()), float((error / bound).max())
+    ratio = hidden_state_file(tmp_path, row).stat().st_size / hidden_state_file(stored, row).stat().st_size
+    assert 0.5 < ratio < 0.6, ratio
 
 
 def test_resharded_rows_are_linked_from_the_old_shards_made_the_same_way(tmp_path: Path) -> None:

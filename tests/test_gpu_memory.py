@@ -23,7 +23,7 @@ KIMI_INT4_WEIGHTS = 595 * 10**9  # the checkpoint's safetensors files
 
 def kimi(fraction: float, total_seq_len: int) -> dict:
     config = yaml.safe_load(open("config/kimi-k2.5-int4.yaml"))
-    config["hidden_states"] = {"disk_budget": 0, "capture_memory_fraction": fraction}
+    config["hidden_states"] = {"disk_budget": 0, "stored_dtype": "served", "capture_memory_fraction": fraction}
     config["training"]["total_seq_len"] = total_seq_len
     return config
 
@@ -62,6 +62,8 @@ def test_the_shipped_32k_tokens_per_step_do_not_fit_beside_the_server_and_the_li
 
 
 def test_offline_runs_and_cpu_runs_are_not_checked():
-    offline = kimi(0.1, 32768) | {"hidden_states": {"disk_budget": "all", "capture_memory_fraction": 0.1}}
+    offline = kimi(0.1, 32768) | {
+        "hidden_states": {"disk_budget": "all", "stored_dtype": "served", "capture_memory_fraction": 0.1}
+    }
     assert check_capture_memory(offline) == []
     assert check_capture_memory(kimi(0.1, 32768) | {"device": "cpu"}) == []

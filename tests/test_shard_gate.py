@@ -137,3 +137,37 @@ def test_check_shard_names_count_and_files(tmp_path: Path) -> None:
     assert message.startswith("2 of 4 samples")
     assert "hs_2.safetensors: file is missing" in message and "hs_3.safetensors" in message
     check_shard(tmp_path, {row: TOKENS for row in (0, 1)}, LAYERS, HIDDEN, DTYPE)
+
+
+def fp8_tensors(tokens: list[int] = TOKENS) -> dict[str, torch.Tensor]:
+    """A row as ``hidden_states.stored_dtype: fp8`` writes it (hs_connectors' quantizer)."""
+    from hs_connectors.fp8_utils import SCALES_KEY, quantize_tensor_to_fp8
+
+    tensors = good_tensors(tokens)
+    quantized, scales = quantize_tensor_to_fp8(tensors["hidden_states"])
+    return tensors | {"hidden_states": quantized, SCALES_KEY: scales}
+
+
+def test_fp8_rows_pass_with_their_scales_and_fail_without(tmp_path: Path) -> None:
+    fp8 = torch.float8_e4m3fn
+    check_sample(write(tmp_path / "hs_0.safetensors", fp8_tensors()), TOKENS, LAYERS, HIDDEN, fp8)
+    no_scales = {key: value for key, value in fp8_tensors().items() if key != "hidden_states_scales"}
+    with pytest.raises(BadSample, match="expected exactly .*'hidden_states_scales'"):
+        check_sample(write(tmp_path / "hs_1.safetensors", no_scales), TOKENS, LAYERS, HIDDEN, fp8)
+    # A row stored as served where fp8 is configured (or the other way round) is refused.
+    with pytest.raises(BadSample, match="wrong layout"):
+        check_sample(write(tmp_path / "hs_2.safetensors", good_tensors()), TOKENS, LAYERS, HIDDEN, fp8)
+    with pytest.raises(BadSample, match="wrong layout"):
+        check_sample(tmp_path / "hs_0.safetensors", TOKENS, LAYERS, HIDDEN, DTYPE)
+
+
+def test_fp8_values_are_checked_dequantized(tmp_path: Path) -> None:
+    """A dead layer stays dead through the quantizer: the gate sees it in the fp8 file."""
+    tensors = good_tensors()
+    tensors["hidden_states"][2, 1] = 0
+    from hs_connectors.fp8_utils import SCALES_KEY, quantize_tensor_to_fp8
+
+    quantized, scales = quantize_tensor_to_fp8(tensors["hidden_states"])
+    path = write(tmp_path / "hs_4.safetensors", tensors | {"hidden_states": quantized, SCALES_KEY: scales})
+    with pytest.raises(BadSample, match="layer 1 is all zeros at 1 token"):
+        check_sample(path, TOKENS, LAYERS, HIDDEN, torch.float8_e4m3fn)

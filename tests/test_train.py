@@ -111,7 +111,7 @@ def settings(target: Path, **training) -> dict:
         "device": "cpu",
         "gpu_slot": 1,
         "server": {"tensor_parallel_size": 1, "data_parallel_size": 1},
-        "hidden_states": {"disk_budget": "all", "capture_memory_fraction": 0.5},
+        "hidden_states": {"disk_budget": "all", "stored_dtype": "served", "capture_memory_fraction": 0.5},
         "training": {
             "epochs": 2,
             "lr": 1e-3,
@@ -188,7 +188,7 @@ def test_under_a_disk_budget_only_the_stored_rows_need_files(target, dataset, hi
     stored.mkdir()
     for row in range(3):
         (stored / f"hs_{row}.safetensors").symlink_to(hidden_states / f"hs_{row}.safetensors")
-    budget = {"disk_budget": budget_for(target, dataset, 3), "capture_memory_fraction": 0.5}
+    budget = {"disk_budget": budget_for(target, dataset, 3), "stored_dtype": "served", "capture_memory_fraction": 0.5}
     budgeted = settings(target) | {"hidden_states": budget}
     _plan, split = train.preflight(budgeted, stage_paths(tmp_path, dataset, stored))
     assert (split.rows, split.stored, split.mode) == (ROWS, 3, "budget")
@@ -240,6 +240,13 @@ def test_changed_arguments_or_unfinished_epoch_drop_checkpoints(target, dataset,
     (paths.checkpoints / "0").mkdir(parents=True)
     reset_if_changed(paths, speculators_args(settings(target), plan, paths, captures=True), 5, software)
     assert (paths.checkpoints / "0").is_dir()
+    # fp8 rows are read through speculators' fp8 backend; a change of storage starts afresh.
+    fp8 = settings(target) | {"hidden_states": settings(target)["hidden_states"] | {"stored_dtype": "fp8"}}
+    fp8_args = speculators_args(fp8, plan, paths, captures=True)
+    assert fp8_args[fp8_args.index("--hidden-states-backend") + 1] == "fp8"
+    assert "--hidden-states-backend" not in captured
+    reset_if_changed(paths, fp8_args, 5, software)
+    assert not paths.checkpoints.exists()
 
 
 def test_cuda_runs_one_torchrun_process_per_gpu_of_the_slot(tmp_path, monkeypatch):

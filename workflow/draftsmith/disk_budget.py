@@ -11,7 +11,8 @@ the trainer reaches it (speculators' own online path), in every epoch. So:
 
 A stored row costs its tokens x (stored layers x hidden size x 2 B of bf16 states + 8 B
 of token id) plus the safetensors header: ``row_bytes``, within a few hundred bytes of
-the file vLLM writes.
+the file vLLM writes. With ``hidden_states.stored_dtype: fp8`` a value takes 1 B and each
+token adds its 4 B float32 scale (hs_connectors' per-token fp8 format).
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ from draftsmith.errors import DraftsmithError
 
 ALL = "all"
 BYTES_PER_VALUE = 2  # bf16, as vLLM writes the hidden states
+FP8_BYTES_PER_VALUE = 1
+FP8_SCALE_BYTES = 4  # one float32 scale per token
 TOKEN_ID_BYTES = 8  # int64 token ids beside the states
 HEADER_BYTES = 256  # safetensors' JSON header of a two-tensor file, rounded up
+FP8_HEADER_BYTES = 384  # ... and of the three-tensor fp8 file
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "PB": 10**15}
 UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "PIB": 2**50}
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
@@ -57,17 +61,22 @@ def parse_budget(value: int | str) -> int | None:
     return int(float(match.group(1)) * UNITS[unit])
 
 
-def row_bytes(tokens: int, stored_layers: int, hidden_size: int) -> int:
+def row_bytes(tokens: int, stored_layers: int, hidden_size: int, fp8: bool = False) -> int:
+    if fp8:
+        per_token = stored_layers * hidden_size * FP8_BYTES_PER_VALUE + FP8_SCALE_BYTES
+        return tokens * (per_token + TOKEN_ID_BYTES) + FP8_HEADER_BYTES
     return tokens * (stored_layers * hidden_size * BYTES_PER_VALUE + TOKEN_ID_BYTES) + HEADER_BYTES
 
 
-def stored_rows(row_tokens: Sequence[int], budget: int | None, stored_layers: int, hidden_size: int) -> int:
+def stored_rows(
+    row_tokens: Sequence[int], budget: int | None, stored_layers: int, hidden_size: int, fp8: bool = False
+) -> int:
     """How many leading rows fit the budget (all of them for None)."""
     if budget is None:
         return len(row_tokens)
     used = 0
     for row, tokens in enumerate(row_tokens):
-        used += row_bytes(tokens, stored_layers, hidden_size)
+        used += row_bytes(tokens, stored_layers, hidden_size, fp8)
         if used > budget:
             return row
     return len(row_tokens)
@@ -103,6 +112,6 @@ class RowSplit:
         return f"{self.stored} of {self.rows} rows stored, {self.captured} captured on demand ({self.mode})"
 
 
-def row_split(dataset: Path, budget: int | None, stored_layers: int, hidden_size: int) -> RowSplit:
+def row_split(dataset: Path, budget: int | None, stored_layers: int, hidden_size: int, fp8: bool = False) -> RowSplit:
     tokens = dataset_row_tokens(dataset)
-    return RowSplit(len(tokens), stored_rows(tokens, budget, stored_layers, hidden_size))
+    return RowSplit(len(tokens), stored_rows(tokens, budget, stored_layers, hidden_size, fp8))

@@ -65,6 +65,7 @@ LOCK_POLL_S = 0.01
 # that this module does not import vLLM.
 CONNECTOR_MODULE = "draftsmith.hidden_states_connector"
 CONNECTOR_NAME = "CpuSafeHiddenStatesConnector"
+FP8_CONNECTOR_NAME = "CpuSafeFP8HiddenStatesConnector"  # hidden_states.stored_dtype: fp8
 
 
 class ExtractionError(StageError):
@@ -87,10 +88,15 @@ class SampleShape:
 
     num_layers_stored: int
     hidden_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the dtype the target is served in
+    fp8: bool = False  # files hold fp8 states with per-token scales (hidden_states.stored_dtype)
+
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn if self.fp8 else self.dtype
 
     def check(self, path: Path, token_ids: Sequence[int]) -> None:
-        check_sample(path, token_ids, self.num_layers_stored, self.hidden_size, self.dtype)
+        check_sample(path, token_ids, self.num_layers_stored, self.hidden_size, self.stored_dtype)
 
 
 @dataclass
@@ -177,10 +183,11 @@ def target_shape(settings: dict) -> tuple[LayerPlan, SampleShape]:
         getattr(text_config, "dtype", None) or getattr(config, "dtype", None),
         settings["server"].get("extra_args", []),
     )
-    return plan, SampleShape(len(plan.vllm_ids), text_config.hidden_size, dtype)
+    fp8 = settings["hidden_states"]["stored_dtype"] == "fp8"
+    return plan, SampleShape(len(plan.vllm_ids), text_config.hidden_size, dtype, fp8)
 
 
-def extraction_server_args(plan: LayerPlan, storage_dir: Path, dtype: torch.dtype) -> list[str]:
+def extraction_server_args(plan: LayerPlan, storage_dir: Path, shape: SampleShape) -> list[str]:
     """vLLM flags for extraction mode; ids are all stored layers, in vLLM's numbering."""
     speculative = {
         "method": "extract_hidden_states",
@@ -188,7 +195,7 @@ def extraction_server_args(plan: LayerPlan, storage_dir: Path, dtype: torch.dtyp
         "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": plan.vllm_ids}},
     }
     kv_transfer = {
-        "kv_connector": CONNECTOR_NAME,
+        "kv_connector": FP8_CONNECTOR_NAME if shape.fp8 else CONNECTOR_NAME,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)},
@@ -199,7 +206,7 @@ def extraction_server_args(plan: LayerPlan, storage_dir: Path, dtype: torch.dtyp
         "--kv-transfer-config",
         json.dumps(kv_transfer),
         "--dtype",
-        str(dtype).removeprefix("torch."),
+        str(shape.dtype).removeprefix("torch."),
     ]
 
 
@@ -364,7 +371,7 @@ def manifest(rows: ShardRows, plan: LayerPlan, shape: SampleShape, staging: Path
         "vllm_layer_ids": plan.vllm_ids,
         "num_layers": plan.num_layers,
         "hidden_size": shape.hidden_size,
-        "dtype": str(shape.dtype).removeprefix("torch."),
+        "dtype": str(shape.stored_dtype).removeprefix("torch."),
         "num_tokens": sum(len(rows[row]) for row in rows),
         "bytes": sum(hidden_state_file(staging, row).stat().st_size for row in rows),
     }
@@ -401,12 +408,12 @@ def run(
     stage = extraction_stage(settings)
     stage.begin(granted_gpus, staging)
     plan, shape = target_shape(settings)
-    split = row_split(dataset_dir, limited_budget(settings), shape.num_layers_stored, shape.hidden_size)
+    split = row_split(dataset_dir, limited_budget(settings), shape.num_layers_stored, shape.hidden_size, shape.fp8)
     rows = load_shard(dataset_dir, shard, num_shards, split.stored)
     check_settings(settings, rows)
     log(
         f"shard {shard}/{num_shards}: rows {rows.rows.start}..{rows.rows.stop - 1} ({split.describe()}), "
-        f"vLLM layer ids {plan.vllm_ids}, hidden {shape.hidden_size}, {shape.dtype}"
+        f"vLLM layer ids {plan.vllm_ids}, hidden {shape.hidden_size}, stored as {shape.stored_dtype}"
     )
     _recover_interrupted_publish(publishing_dir(output), staging)
     drop_rows_past_the_budget(staging, split.stored)
@@ -418,12 +425,12 @@ def run(
     todo = rows_to_request(staging, rows, shape)
     result = ExtractionResult(rows.rows, skipped=len(rows) - len(todo), requested=todo)
     if todo:
-        spec = ServerSpec.from_config(settings, extra_args=extraction_server_args(plan, storage, shape.dtype))
+        spec = ServerSpec.from_config(settings, extra_args=extraction_server_args(plan, storage, shape))
         with stage.server(spec, SPECULATORS_CLIENT) as endpoint:
             result.failures = asyncio.run(extract_rows(stage, endpoint, rows, todo, staging, shape))
     kept = "Staged rows are kept; rerun to retry only the missing ones"
     stage.check_failures(result.failures, len(rows), kept)
-    check_shard(staging, rows, shape.num_layers_stored, shape.hidden_size, shape.dtype)
+    check_shard(staging, rows, shape.num_layers_stored, shape.hidden_size, shape.stored_dtype)
     items = fingerprint_of(item_settings(settings, "extract"))
     publish(staging, output, rows, manifest(rows, plan, shape, staging, items, split.stored))
     shutil.rmtree(storage)

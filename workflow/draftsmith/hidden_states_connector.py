@@ -14,6 +14,10 @@ only after the file is complete.
 vLLM loads it through the KV transfer config:
 ``{"kv_connector": "CpuSafeHiddenStatesConnector",
 "kv_connector_module_path": "draftsmith.hidden_states_connector", ...}``.
+
+``CpuSafeFP8HiddenStatesConnector`` (``hidden_states.stored_dtype: fp8``) writes
+hs_connectors' fp8 format instead: states quantized per token with their scales, the file
+speculators' ``fp8`` backend dequantizes as it loads it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import fcntl
 import os
 
 import torch
+from hs_connectors.fp8_hidden_states_connector import FP8HiddenStatesConnector
+from hs_connectors.fp8_utils import SCALES_KEY, quantize_tensor_to_fp8
 from safetensors.torch import save_file
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
@@ -50,8 +56,12 @@ THIRD_PARTY = [
         "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
         "ExampleHiddenStatesConnector._req_copy_events",
     ),
+    ("hs_connectors.fp8_hidden_states_connector", "FP8HiddenStatesConnector"),
+    ("hs_connectors.fp8_utils", "quantize_tensor_to_fp8"),
+    ("hs_connectors.fp8_utils", "SCALES_KEY"),
 ]
 CONNECTOR_NAME = "CpuSafeHiddenStatesConnector"
+FP8_CONNECTOR_NAME = "CpuSafeFP8HiddenStatesConnector"
 CONNECTOR_MODULE = __name__
 
 
@@ -85,12 +95,12 @@ class CpuSafeHiddenStatesConnector(ExampleHiddenStatesConnector):
         num_tokens = pending.token_ids.shape[0]
         assert self._kv_cache is not None  # registered before any request runs
         hidden_states = extract_from_kv_cache(self._kv_cache, self._slot_mapping(pending.block_ids), num_tokens)
-        tensors = {
+        tensors = self._file_tensors(
             # Fancy indexing already copied; contiguous() makes the layout explicit,
             # and the blocks may be reused as soon as get_finished reports them.
-            "hidden_states": hidden_states.contiguous(),
-            "token_ids": pending.token_ids.clone(),
-        }
+            hidden_states.contiguous(),
+            pending.token_ids.clone(),
+        )
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
         lock_fd = self._lock_fds.pop(pending.req_id, None)
         if lock_fd is None and self.use_lock:
@@ -106,3 +116,19 @@ class CpuSafeHiddenStatesConnector(ExampleHiddenStatesConnector):
             if lock_fd is not None:
                 os.close(lock_fd)  # releases LOCK_EX: waiting clients may read now
         self._req_copy_events[pending.req_id] = _CompletedCopy()  # type: ignore[assignment]  # an Event's query()
+
+    @staticmethod
+    def _file_tensors(hidden_states: torch.Tensor, token_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"hidden_states": hidden_states, "token_ids": token_ids}
+
+
+class CpuSafeFP8HiddenStatesConnector(CpuSafeHiddenStatesConnector):
+    """The same, writing fp8 states with per-token scales (hs_connectors' format and
+    quantizer). On CUDA the parent's write thread runs hs_connectors' own fp8 writer."""
+
+    _write_tensors = staticmethod(FP8HiddenStatesConnector._write_tensors)
+
+    @staticmethod
+    def _file_tensors(hidden_states: torch.Tensor, token_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        quantized, scales = quantize_tensor_to_fp8(hidden_states)
+        return {"hidden_states": quantized, SCALES_KEY: scales, "token_ids": token_ids}

@@ -5,7 +5,8 @@ measured where generation already ran and bounded from the config where it did
 not (every answer at ``max_tokens``, every row at most ``dataset.seq_length``), so
 the hidden-state bytes are an upper bound until the completions exist:
 
-    hidden-state bytes = tokens x stored layers x hidden size x 2 (bf16)
+    hidden-state bytes = tokens x stored layers x hidden size x 2 (bf16; 1 B + a 4 B
+    scale per token with hidden_states.stored_dtype: fp8)
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
-from draftsmith.disk_budget import row_bytes
+from draftsmith.disk_budget import BYTES_PER_VALUE, FP8_BYTES_PER_VALUE, FP8_SCALE_BYTES, row_bytes
 from draftsmith.errors import DraftsmithError
 from draftsmith.layout import Layout
 from draftsmith.progress import log
@@ -25,7 +26,6 @@ from draftsmith.settings import draft_lengths, limited_budget, trainer_processes
 from draftsmith.slot import gpus_needed
 from draftsmith.target import read_target_config
 
-BYTES_PER_VALUE = 2  # bf16, as vLLM writes the hidden states
 # The share of the free disk a suggested budget takes: the rest is for checkpoints and logs.
 FREE_DISK_SHARE = 0.9
 CONFIGURED_BUDGET = "budget (configured)"
@@ -110,13 +110,15 @@ def plan_for(settings: dict, results: Path) -> dict:
         tokens_basis = "upper bound"
     training_tokens = int(per_row * train)
     layers, hidden = len(settings["layers"]), target["hidden_size"]
-    hidden_bytes = training_tokens * layers * hidden * BYTES_PER_VALUE
+    fp8 = settings["hidden_states"]["stored_dtype"] == "fp8"
+    per_token = layers * hidden * FP8_BYTES_PER_VALUE + FP8_SCALE_BYTES if fp8 else layers * hidden * BYTES_PER_VALUE
+    hidden_bytes = training_tokens * per_token
     layout = Layout(results)
     done = _done(layout)
     written_bytes = sum(p.stat().st_size for p in layout.hidden_state_files())
     external = bool(settings["generation"].get("endpoint"))
     free_disk = shutil.disk_usage(existing_parent(results)).free
-    modes = storage_modes(settings, train, per_row, layers, hidden, free_disk + written_bytes)
+    modes = storage_modes(settings, train, row_bytes(round(per_row), layers, hidden, fp8), free_disk + written_bytes)
     return {
         "questions_train": train,
         "questions_heldout": heldout,
@@ -127,6 +129,7 @@ def plan_for(settings: dict, results: Path) -> dict:
         "tokens_basis": tokens_basis,
         "stored_layers": layers,
         "hidden_size": hidden,
+        "stored_dtype": "fp8" if fp8 else "served",
         "hidden_state_bytes": hidden_bytes,
         "hidden_state_bytes_to_write": max(hidden_bytes - written_bytes, 0),
         "free_disk_bytes": free_disk,
@@ -153,8 +156,8 @@ def in_flight_rows(settings: dict) -> int:
     return trainer_processes(settings) * max(workers, 1)
 
 
-def storage_mode(name: str, settings: dict, rows: int, stored: int, per_row: float, layers: int, hidden: int) -> dict:
-    each = row_bytes(round(per_row), layers, hidden)
+def storage_mode(name: str, settings: dict, rows: int, stored: int, each: int) -> dict:
+    """``each``: the bytes of a stored row of the average length."""
     captured = rows - stored
     in_flight = min(in_flight_rows(settings), captured)
     return {
@@ -167,22 +170,19 @@ def storage_mode(name: str, settings: dict, rows: int, stored: int, per_row: flo
     }
 
 
-def storage_modes(settings: dict, rows: int, per_row: float, layers: int, hidden: int, disk: int) -> list[dict]:
+def storage_modes(settings: dict, rows: int, each: int, disk: int) -> list[dict]:
     """Offline, the configured budget, the largest budget the disk holds (when offline
-    does not fit), and online: what each stores and captures."""
-    each = row_bytes(round(per_row), layers, hidden)
-    modes = [storage_mode("offline", settings, rows, rows, per_row, layers, hidden)]
+    does not fit), and online: what each stores and captures (rows of ``each`` bytes)."""
+    modes = [storage_mode("offline", settings, rows, rows, each)]
     budget = limited_budget(settings)
     if budget not in (None, 0):
-        modes.append(
-            storage_mode("budget (configured)", settings, rows, min(budget // each, rows), per_row, layers, hidden)
-        )
+        modes.append(storage_mode(CONFIGURED_BUDGET, settings, rows, min(budget // each, rows), each))
     fitting = int(disk * FREE_DISK_SHARE) - min(in_flight_rows(settings), rows) * each
     if modes[0]["peak_disk_bytes"] > disk * FREE_DISK_SHARE:
         stored = min(max(fitting, 0) // each, rows)
-        fits = storage_mode("budget that fits", settings, rows, stored, per_row, layers, hidden)
+        fits = storage_mode("budget that fits", settings, rows, stored, each)
         modes.append(fits | {"budget_bytes": stored * each})
-    return modes + [storage_mode("online", settings, rows, 0, per_row, layers, hidden)]
+    return modes + [storage_mode("online", settings, rows, 0, each)]
 
 
 def configured_mode(plan: dict, settings: dict) -> dict:
@@ -249,7 +249,7 @@ def format_plan(plan: dict) -> str:
         (
             "hidden states",
             f"{human_bytes(plan['hidden_state_bytes'])} = tokens x {plan['stored_layers']} layers"
-            f" x {plan['hidden_size']} x 2 B",
+            f" x {plan['hidden_size']} x " + ("1 B (fp8) + 4 B scale" if plan["stored_dtype"] == "fp8" else "2 B"),
         ),
         (
             "  still to write / free disk",

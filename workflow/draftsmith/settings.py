@@ -160,6 +160,11 @@ DERIVED = {
     ),
     # Unset (None) while every hidden state is stored: see MODE_SETTINGS.
     "hidden_states.limited_budget": (("hidden_states.disk_budget",), lambda c: limited_budget(c)),
+    # Unset (None) while rows are stored as served: see MODE_SETTINGS.
+    "hidden_states.fp8_storage": (
+        ("hidden_states.stored_dtype",),
+        lambda c: True if c["hidden_states"]["stored_dtype"] == "fp8" else None,
+    ),
     # What computes the rows training captures on demand: the extraction server's numerics
     # and release (with no extraction stage, training is what must re-run on a change).
     "hidden_states.capture_numerics": (
@@ -176,7 +181,9 @@ DERIVED = {
 }
 # Settings of a mode that is off by default: left out of params while None, so the runs
 # made before the mode existed keep their params (and are not re-run by an upgrade).
-MODE_SETTINGS = frozenset({"hidden_states.limited_budget", "hidden_states.capture_numerics"})
+MODE_SETTINGS = frozenset(
+    {"hidden_states.limited_budget", "hidden_states.capture_numerics", "hidden_states.fp8_storage"}
+)
 
 
 def limited_budget(config: dict) -> int | None:
@@ -254,6 +261,7 @@ PLAN_READS = (
     "dataset.seq_length",
     "extraction.shards",
     "hidden_states.disk_budget",
+    "hidden_states.stored_dtype",
     "training.epochs",
     "training.total_seq_len",
     "training.extra_args",
@@ -308,7 +316,7 @@ STAGES: dict[str, Stage] = {
     # Hidden states are the numbers the drafter learns: what computes them counts (layers,
     # numerics flags, the vLLM release), not where (TP, device: within bf16 noise).
     "extract": Stage(
-        shaping=("target.model", "layers", *SERVER_NUMERICS),
+        shaping=("target.model", "layers", *SERVER_NUMERICS, "hidden_states.fp8_storage"),
         # A smaller budget keeps the staged rows it still covers; a larger one adds rows.
         extent=("target.build_demo", "extraction.shards", "hidden_states.limited_budget"),
         operational=(
@@ -332,6 +340,7 @@ STAGES: dict[str, Stage] = {
             "trainer_processes",
             "hidden_states.limited_budget",
             "hidden_states.capture_numerics",
+            "hidden_states.fp8_storage",  # the trainer reads dequantized fp8 rows
         ),
         extent=("target.build_demo", "training.epochs"),  # more epochs continue the checkpoints
         # The capture server (rows past the budget) is the extraction server, started here.
@@ -355,6 +364,7 @@ STAGES: dict[str, Stage] = {
             "target.trust_remote_code",
             "training.stall_timeout_s",
             "hidden_states.disk_budget",
+            "hidden_states.stored_dtype",
         ),
         software=("speculators", "torch", "transformers"),
     ),

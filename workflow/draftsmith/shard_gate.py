@@ -5,7 +5,8 @@ Silent wrong data is the worst failure in this pipeline: the seed once produced
 on it. A file passes only if it has exactly the layout vLLM's hidden-state connector
 writes (``hidden_states`` [tokens, layers, hidden], ``token_ids`` [tokens]) with the
 target's layer count, width and dtype, finite values, no dead layer, and the token
-ids of its dataset row.
+ids of its dataset row. Stored as fp8 (``hidden_states.stored_dtype``), a file also holds
+hs_connectors' per-token scales [tokens, 1, 1], and the values are checked dequantized.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
+from hs_connectors.fp8_utils import SCALES_KEY, dequantize_fp8_tensor
 from safetensors import safe_open
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.layout import hidden_state_file
 
 EXPECTED_KEYS = ("hidden_states", "token_ids")
+FP8_KEYS = (*EXPECTED_KEYS, SCALES_KEY)
 SHOW_FIRST = 5
 # safetensors header names -> torch names, for comparing with the target's dtype.
 SAFETENSORS_DTYPES = {
@@ -56,12 +59,15 @@ def _read_layout(path: Path) -> tuple[dict[str, list[int]], dict[str, str]]:
     return shapes, dtypes
 
 
-def _check_layout(path: Path, shapes: dict[str, list[int]], expected_shape: list[int]) -> None:
-    if sorted(shapes) != sorted(EXPECTED_KEYS):
+def _check_layout(path: Path, shapes: dict[str, list[int]], expected_shape: list[int], fp8: bool) -> None:
+    if sorted(shapes) != sorted(FP8_KEYS if fp8 else EXPECTED_KEYS):
+        scales = f" and {SCALES_KEY!r} [{expected_shape[0]}, 1, 1]" if fp8 else ""
         raise BadSample(
             f"{path}: wrong layout, holds {_describe_layout(shapes)}; expected exactly "
-            f"'hidden_states' {expected_shape} and 'token_ids' [{expected_shape[0]}]"
+            f"'hidden_states' {expected_shape}, 'token_ids' [{expected_shape[0]}]{scales}"
         )
+    if fp8 and shapes[SCALES_KEY] != [expected_shape[0], 1, 1]:
+        raise BadSample(f"{path}: {SCALES_KEY} has shape {shapes[SCALES_KEY]}, expected [{expected_shape[0]}, 1, 1]")
     if shapes["hidden_states"] != expected_shape:
         raise BadSample(
             f"{path}: hidden_states has shape {shapes['hidden_states']}, expected "
@@ -102,14 +108,13 @@ def check_sample(
     expected_token_ids = [int(token) for token in expected_token_ids]
     expected_shape = [len(expected_token_ids), num_layers_stored, hidden_size]
     shapes, dtypes = _read_layout(path)
-    _check_layout(path, shapes, expected_shape)
+    fp8 = dtype == torch.float8_e4m3fn
+    _check_layout(path, shapes, expected_shape, fp8)
     expected_dtype = str(dtype).removeprefix("torch.")
     found_dtype = SAFETENSORS_DTYPES.get(dtypes["hidden_states"], dtypes["hidden_states"])
     if found_dtype != expected_dtype:
-        raise BadSample(
-            f"{path}: hidden_states dtype is {found_dtype}, expected {expected_dtype} "
-            "(the dtype the target is served in)"
-        )
+        why = "hidden_states.stored_dtype: fp8" if fp8 else "the dtype the target is served in"
+        raise BadSample(f"{path}: hidden_states dtype is {found_dtype}, expected {expected_dtype} ({why})")
     with safe_open(str(path), framework="pt") as handle:
         token_ids = handle.get_tensor("token_ids").tolist()
         if token_ids != expected_token_ids:
@@ -118,7 +123,10 @@ def check_sample(
                 f"{path}: token_ids differ from the dataset row at position {first} "
                 f"(file {token_ids[first]}, dataset {expected_token_ids[first]})"
             )
-        _check_values(path, handle.get_tensor("hidden_states"))
+        hidden_states = handle.get_tensor("hidden_states")
+        if fp8:
+            hidden_states = dequantize_fp8_tensor(hidden_states, handle.get_tensor(SCALES_KEY), torch.float32)
+        _check_values(path, hidden_states)
 
 
 def check_shard(

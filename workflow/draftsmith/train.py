@@ -197,7 +197,9 @@ def preflight(settings: dict, paths: TrainPaths) -> tuple[LayerPlan, RowSplit]:
         raise TrainError(problem)
     plan = resolve_layers(list(settings["layers"]), text_config["num_hidden_layers"])
     check_dataset(paths.dataset)
-    split = row_split(paths.dataset, limited_budget(settings), len(plan.vllm_ids), text_config["hidden_size"])
+    split = row_split(
+        paths.dataset, limited_budget(settings), len(plan.vllm_ids), text_config["hidden_size"], stores_fp8(settings)
+    )
     check_hidden_states(paths, split, len(plan.vllm_ids), text_config["hidden_size"])
     log(f"checked: {split.describe()}, aux vLLM ids {plan.aux_vllm_ids}")
     return plan, split
@@ -253,6 +255,8 @@ def speculators_args(settings: dict, plan: LayerPlan, paths: TrainPaths, capture
         "--hidden-states-path",
         str(paths.hidden_states),
         *(["--on-missing", "generate", "--vllm-endpoint", CAPTURE_ENDPOINT] if captures else ["--on-missing", "raise"]),
+        # fp8 rows (stored and captured) are dequantized to bf16 as they are loaded.
+        *(["--hidden-states-backend", "fp8"] if stores_fp8(settings) else []),
         "--loss-implementation",
         "eager",  # the fused Triton loss crashed under torch.compile
     ]
@@ -261,6 +265,10 @@ def speculators_args(settings: dict, plan: LayerPlan, paths: TrainPaths, capture
     if settings["target"]["trust_remote_code"]:
         argv.append("--trust-remote-code")
     return argv + list(training["extra_args"])
+
+
+def stores_fp8(settings: dict) -> bool:
+    return settings["hidden_states"]["stored_dtype"] == "fp8"
 
 
 def launcher(settings: dict, processes: int) -> list[str]:
@@ -292,7 +300,7 @@ def capture_server(settings: dict, paths: TrainPaths, split: RowSplit) -> Iterat
     shutil.rmtree(paths.capture, ignore_errors=True)
     paths.capture.mkdir(parents=True)
     # Its numerics are the extraction server's; only its access log (a line per row) is off.
-    extra = [*extraction_server_args(plan, paths.capture, shape.dtype), "--disable-uvicorn-access-log"]
+    extra = [*extraction_server_args(plan, paths.capture, shape), "--disable-uvicorn-access-log"]
     if settings["device"] == "cuda":  # the trainer shares the GPUs: the server takes its share only
         extra += ["--gpu-memory-utilization", str(settings["hidden_states"]["capture_memory_fraction"])]
     log(f"{split.describe()}: starting the capture server")
