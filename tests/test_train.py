@@ -446,3 +446,25 @@ def test_the_trainer_waits_for_a_captured_file_in_10_ms_steps(monkeypatch):
     speculators_cpu.quicker_capture_wait()
     transfer.wait_for_lock("hs_7.safetensors.lock")  # as hs_connectors calls it
     assert calls == [("hs_7.safetensors.lock", 10.0, speculators_cpu.CAPTURE_LOCK_POLL_S)]
+
+
+def test_the_trainer_logs_no_line_per_captured_row(monkeypatch, tmp_path):
+    """speculators asks the capture server through the openai client: whatever HTTP client
+    that uses, its per-request INFO lines stay out of the train log."""
+    import logging
+
+    from openai import _base_client
+    from speculators.train import cli
+
+    monkeypatch.setattr(cli, "setup_metric_logger", lambda *args, **kwargs: None)
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.INFO)  # as speculators' root logger is
+    try:
+        speculators_cpu.after_logging_setup(None)
+        cli.setup_metric_logger(loggers="", run_name="test", output_dir=str(tmp_path))
+        # The HTTP client class openai wraps, and the package it comes from (httpx or httpx2).
+        client = next(cls for cls in _base_client.SyncHttpxClientWrapper.__mro__ if cls.__name__ == "Client")
+        assert not logging.getLogger(client.__module__.split(".")[0]).isEnabledFor(logging.INFO)
+    finally:
+        root.setLevel(level)

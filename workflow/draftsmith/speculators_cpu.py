@@ -102,6 +102,11 @@ class JsonLinesHandler(logging.Handler):
             handle.write(json.dumps(record.msg, default=float) + "\n")
 
 
+# A line per captured row otherwise; the openai client speculators asks with logs through
+# httpx2 (httpx's successor), other clients through httpx.
+HTTP_CLIENT_LOGGERS = ("httpx", "httpx2")
+
+
 def after_logging_setup(metrics_file: Path | None) -> None:
     """Once speculators has configured its loggers (its dictConfig drops handlers attached
     earlier): attach the JSON-lines metrics sink, and keep httpx's per-request lines out."""
@@ -111,7 +116,8 @@ def after_logging_setup(metrics_file: Path | None) -> None:
 
     def setup_then_adjust(*args, **kwargs) -> None:
         configure(*args, **kwargs)
-        logging.getLogger("httpx").setLevel(logging.WARNING)
+        for client in HTTP_CLIENT_LOGGERS:
+            logging.getLogger(client).setLevel(logging.WARNING)
         if metrics_file is not None and int(os.environ.get("RANK", "0")) == 0:
             metrics_file.parent.mkdir(parents=True, exist_ok=True)
             logging.getLogger("speculators.metrics").addHandler(JsonLinesHandler(metrics_file))
