@@ -176,3 +176,23 @@ def heavy_processes_after(seconds: float = 20.0) -> list[str]:
     while (alive := heavy_processes()) and time.monotonic() < deadline:
         time.sleep(0.5)
     return alive
+
+
+def write_shard_manifest(shard: Path, **fields) -> Path:
+    """A shard's manifest (extraction's own record type) with the given fields set."""
+    from draftsmith.records import ShardManifest
+
+    defaults = dict(
+        items_fingerprint="",
+        rows=[0, 0],
+        num_rows=0,
+        config_layers=[],
+        vllm_layer_ids=[],
+        num_layers=0,
+        hidden_size=0,
+        dtype="bfloat16",
+        num_tokens=0,
+        bytes=0,
+    )
+    ShardManifest(**(defaults | fields)).write(shard)
+    return shard

@@ -1,7 +1,7 @@
 """The production family end to end on CPU: config/deepseek-v3-tiny.yaml (a DeepSeek-V3 /
 Kimi-architecture target, MLA + MoE, built and trained locally) through generation, dataset,
 extraction, training and evaluation, for real; under a disk budget, so training captures a
-quarter of its rows from a capture server in every epoch (the mixed path)."""
+fifth of its rows from a capture server in every epoch (the mixed path), stored rows in fp8."""
 
 import json
 import subprocess
@@ -9,15 +9,18 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import copy_workflow
 from datasets import load_from_disk
 from serve_check import serve_and_measure
 from transformers import AutoTokenizer
 
 from draftsmith.disk_budget import parse_budget
+from draftsmith.records import ShardManifest, TrainingMetrics
 
 pytestmark = pytest.mark.e2e
 CONFIG = "config/deepseek-v3-tiny.yaml"
+BUDGET = yaml.safe_load((Path(__file__).resolve().parents[1] / CONFIG).read_text())["hidden_states"]["disk_budget"]
 RESULTS = "results/deepseek-v3-tiny"
 
 
@@ -67,16 +70,18 @@ def test_answers_keep_their_think_tags_and_only_the_answer_is_trained(deepseek_r
 def test_training_captured_every_row_past_the_disk_budget_in_every_epoch(deepseek_run):
     """The config's disk budget stores part of the rows; training got the rest from its
     capture server (counted by the server itself) and left no captured file behind."""
-    manifest = json.loads((deepseek_run / "hidden_states/shard_0/manifest.json").read_text())
+    manifest = ShardManifest.read(deepseek_run / "hidden_states/shard_0")
     rows = load_from_disk(str(deepseek_run / "dataset")).num_rows
-    stored = manifest["stored_rows"]
-    assert manifest["bytes"] <= parse_budget("27 MB") and stored == manifest["num_rows"]
+    assert manifest is not None and manifest.stored_rows is not None
+    stored = manifest.stored_rows
+    assert manifest.bytes <= parse_budget(BUDGET) and stored == manifest.num_rows
+    assert manifest.dtype == "float8_e4m3fn"  # the config stores fp8
     assert rows - stored >= rows / 5, (rows, stored)  # at least a fifth captured
     assert len(list((deepseek_run / "hidden_states/all").glob("hs_*.safetensors"))) == stored
-    metrics = json.loads((deepseek_run / "drafter/training_metrics.json").read_text())
-    epochs = len(metrics["epochs"])
-    assert (metrics["rows_stored"], metrics["rows_captured_per_epoch"]) == (stored, rows - stored)
-    assert metrics["capture_requests"] >= (rows - stored) * epochs, metrics["capture_requests"]
+    metrics = TrainingMetrics.read(deepseek_run / "drafter")
+    epochs = len(metrics.epochs)
+    assert (metrics.rows_stored, metrics.rows_captured_per_epoch) == (stored, rows - stored)
+    assert metrics.capture_requests is not None and metrics.capture_requests >= (rows - stored) * epochs, metrics
     assert not (deepseek_run / ".staging/train/capture").exists()
     assert (
         f"{stored} of {rows} rows stored, {rows - stored} captured on demand (budget)"
@@ -85,9 +90,9 @@ def test_training_captured_every_row_past_the_disk_budget_in_every_epoch(deepsee
 
 
 def test_the_drafter_reads_the_extracted_layers(deepseek_run):
-    manifest = json.loads((deepseek_run / "hidden_states/shard_0/manifest.json").read_text())
+    manifest = ShardManifest.read(deepseek_run / "hidden_states/shard_0")
     drafter = json.loads((deepseek_run / "drafter/config.json").read_text())
-    assert manifest["vllm_layer_ids"] == [2, 3, 5, 6] and manifest["hidden_size"] == 256
+    assert manifest is not None and manifest.vllm_layer_ids == [2, 3, 5, 6] and manifest.hidden_size == 256
     assert drafter["eagle_aux_hidden_state_layer_ids"] == [2, 3, 5]
 
 

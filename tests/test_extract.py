@@ -31,6 +31,7 @@ from draftsmith.disk_budget import RowSplit
 from draftsmith.extract import ExtractionError, check_settings, serving_dtype, shard_range
 from draftsmith.layers import resolve_layers
 from draftsmith.layout import hidden_state_file
+from draftsmith.records import ShardManifest
 from draftsmith.settings import item_settings
 from draftsmith.shard_gate import check_sample
 from draftsmith.staging import open_staging
@@ -205,9 +206,9 @@ def test_parity_tp1(tiny_model: Path, extracted_tp1) -> None:
     assert result.requested == list(range(len(tiny_rows()))) and not result.failures
     worst_relative, worst_absolute = assert_parity(tiny_model, output)
     print(f"TP=1 worst relative / absolute error {worst_relative:.4f} / {worst_absolute:.4f}")
-    manifest = json.loads((output / "manifest.json").read_text())
-    assert manifest["vllm_layer_ids"] == [1, 3, 5] and manifest["dtype"] == "bfloat16"
-    assert manifest["num_tokens"] == sum(len(r) for r in tiny_rows())
+    manifest = ShardManifest.read(output)
+    assert manifest is not None and manifest.vllm_layer_ids == [1, 3, 5] and manifest.dtype == "bfloat16"
+    assert manifest.num_tokens == sum(len(r) for r in tiny_rows())
 
 
 @pytest.mark.vllm

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import heavy_processes_after
+from conftest import heavy_processes_after, write_shard_manifest
 from datasets import Dataset, load_from_disk
 from safetensors.torch import save_file
 from transformers import AutoConfig
@@ -19,6 +19,7 @@ from draftsmith import speculators_cpu, train
 from draftsmith.demo_model import build_demo_model
 from draftsmith.disk_budget import dataset_row_tokens, row_bytes
 from draftsmith.layers import resolve_layers
+from draftsmith.records import TrainingMetrics
 from draftsmith.server import Endpoint
 from draftsmith.slot import GpuSlotError
 from draftsmith.train import (
@@ -144,15 +145,16 @@ def test_trains_on_cpu_and_publishes_drafter(target, dataset, hidden_states, tmp
     assert config["speculators_model_type"] == "eagle3"
     assert config["eagle_aux_hidden_state_layer_ids"] == AUX_VLLM_IDS
     assert config["draft_vocab_size"] == 100
-    metrics = json.loads((paths.output / "training_metrics.json").read_text())
-    assert [e["epoch"] for e in metrics["epochs"]] == [0, 1]
-    assert metrics["published_epoch"] in (0, 1)
+    metrics = TrainingMetrics.read(paths.output)
+    assert [e["epoch"] for e in metrics.epochs] == [0, 1]
+    assert metrics.published_epoch in (0, 1)
+    assert (metrics.rows_stored, metrics.rows_captured_per_epoch, metrics.capture_requests) == (ROWS, 0, 0)
     # speculators' vocabulary mappings land in training's own view, not in the dataset.
     assert not list(dataset.glob("*.npy")) and sorted(p.name for p in paths.dataset_view.glob("*.npy")) == [
         "d2t-100.npy",
         "t2d-100.npy",
     ]
-    for epoch in metrics["epochs"]:
+    for epoch in metrics.epochs:
         assert epoch["steps"] > 0
         assert {"loss", "full_acc_0"} <= set(epoch["train"]) and {"loss", "full_acc_0"} <= set(epoch["val"])
 
@@ -212,8 +214,7 @@ def test_rerun_with_more_epochs_resumes_from_checkpoint(target, dataset, hidden_
     assert "Training epoch 1/2 started" not in second_log  # epoch 0 is not trained again
     assert "Training epoch 2/2 started" in second_log
     assert epoch0.stat().st_mtime_ns == epoch0_written
-    metrics = json.loads((paths.output / "training_metrics.json").read_text())
-    assert [e["epoch"] for e in metrics["epochs"]] == [0, 1]
+    assert [e["epoch"] for e in TrainingMetrics.read(paths.output).epochs] == [0, 1]
 
 
 def test_changed_arguments_or_unfinished_epoch_drop_checkpoints(target, dataset, hidden_states, tmp_path):
@@ -341,7 +342,7 @@ def published_copy(dataset: Path, hidden_states: Path, root: Path, items: str) -
     shutil.copytree(dataset, root / "dataset")
     shard = root / "shard_0"
     shutil.copytree(hidden_states, shard)
-    (shard / "manifest.json").write_text(json.dumps({"items_fingerprint": items}))
+    write_shard_manifest(shard, items_fingerprint=items)
     (root / "view").mkdir()
     for path in shard.glob("hs_*.safetensors"):
         (root / "view" / path.name).symlink_to(path)

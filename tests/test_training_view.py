@@ -1,9 +1,9 @@
 """The training view links every row once and copies no tensor data."""
 
-import json
 import os
 
 import pytest
+from conftest import write_shard_manifest
 
 from draftsmith.training_view import TrainingViewError, build_view
 
@@ -44,8 +44,7 @@ def test_a_row_in_two_shards_is_refused(tmp_path):
 
 
 def with_manifest(shard, stored_rows):
-    (shard / "manifest.json").write_text(json.dumps({"stored_rows": stored_rows}))
-    return shard
+    return write_shard_manifest(shard, stored_rows=stored_rows)
 
 
 def test_under_a_disk_budget_the_view_covers_the_stored_rows_only(tmp_path):

@@ -29,6 +29,7 @@ from conftest import copy_workflow, heavy_processes
 from interrupt import count, log_says, run_until, staged_answers, uninterrupted_question_ids, unlock
 from snakemake.utils import validate
 
+from draftsmith.records import ShardManifest
 from draftsmith.settings import (
     RULE_ORDER,
     SWEPT,
@@ -203,9 +204,9 @@ def test_the_sweep_measures_every_set_category_draft_length_concurrency_and_samp
 
 def test_drafter_carries_the_extracted_layers(demo_run):
     drafter = json.loads((demo_run / "results/drafter/config.json").read_text())
-    manifest = json.loads((demo_run / "results/hidden_states/shard_0/manifest.json").read_text())
+    manifest = ShardManifest.read(demo_run / "results/hidden_states/shard_0")
     # Outputs of layers 1, 2, 4 (+ the final 5) are vLLM ids 2, 3, 5 (+ 6).
-    assert manifest["vllm_layer_ids"] == [2, 3, 5, 6]
+    assert manifest is not None and manifest.vllm_layer_ids == [2, 3, 5, 6]
     assert drafter["eagle_aux_hidden_state_layer_ids"] == [2, 3, 5]
     spec = json.loads((demo_run / "results/drafter_speculative_config.json").read_text())
     assert spec["method"] == "eagle3" and Path(spec["model"]) == (demo_run / "results/drafter").resolve()

@@ -42,8 +42,9 @@ from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.client import SPECULATORS_CLIENT
 from draftsmith.disk_budget import row_split
 from draftsmith.layers import LayerPlan, resolve_layers
-from draftsmith.layout import HIDDEN_STATE_GLOB, SHARD_MANIFEST, hidden_state_file, hidden_state_row
+from draftsmith.layout import HIDDEN_STATE_GLOB, hidden_state_file, hidden_state_row
 from draftsmith.progress import Progress, log
+from draftsmith.records import ShardManifest
 from draftsmith.server import Endpoint, ServerSpec
 from draftsmith.server_stage import RequestPolicy, ServerStage, StageError, first_errors
 from draftsmith.settings import item_settings, limited_budget
@@ -361,23 +362,25 @@ def _recover_interrupted_publish(fresh: Path, staging: Path) -> None:
     log(f"removed the unfinished publish in {fresh}")
 
 
-def manifest(rows: ShardRows, plan: LayerPlan, shape: SampleShape, staging: Path, items: str, stored: int) -> dict:
-    return {
-        "items_fingerprint": items,  # the settings every file was made under (settings.py)
-        "rows": [rows.rows.start, rows.rows.stop],
-        "stored_rows": stored,  # of all shards together: the training view covers rows 0..stored-1
-        "num_rows": len(rows),
-        "config_layers": list(plan.config_layers),
-        "vllm_layer_ids": plan.vllm_ids,
-        "num_layers": plan.num_layers,
-        "hidden_size": shape.hidden_size,
-        "dtype": str(shape.stored_dtype).removeprefix("torch."),
-        "num_tokens": sum(len(rows[row]) for row in rows),
-        "bytes": sum(hidden_state_file(staging, row).stat().st_size for row in rows),
-    }
+def manifest(
+    rows: ShardRows, plan: LayerPlan, shape: SampleShape, staging: Path, items: str, stored: int
+) -> ShardManifest:
+    return ShardManifest(
+        items_fingerprint=items,
+        rows=[rows.rows.start, rows.rows.stop],
+        num_rows=len(rows),
+        config_layers=list(plan.config_layers),
+        vllm_layer_ids=plan.vllm_ids,
+        num_layers=plan.num_layers,
+        hidden_size=shape.hidden_size,
+        dtype=str(shape.stored_dtype).removeprefix("torch."),
+        num_tokens=sum(len(rows[row]) for row in rows),
+        bytes=sum(hidden_state_file(staging, row).stat().st_size for row in rows),
+        stored_rows=stored,
+    )
 
 
-def publish(staging: Path, output: Path, rows: ShardRows, info: dict) -> None:
+def publish(staging: Path, output: Path, rows: ShardRows, info: ShardManifest) -> None:
     """Hard-link the staged files into a fresh sibling of ``output``, then rename it into
     place. Links copy no bytes, and the staged names keep the files when Snakemake deletes
     the output before a rerun (a rerun then requests nothing again)."""
@@ -391,7 +394,7 @@ def publish(staging: Path, output: Path, rows: ShardRows, info: dict) -> None:
                 f"cannot link staged files into {fresh} ({error}); staging and output must "
                 "be on the same filesystem, one that supports hard links"
             ) from error
-    (fresh / SHARD_MANIFEST).write_text(json.dumps(info, indent=2) + "\n")
+    info.write(fresh)
     publish_directory(fresh, output)
 
 

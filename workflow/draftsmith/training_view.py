@@ -11,15 +11,15 @@ must be covered exactly once; training captures the others on demand. With no sh
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 from pathlib import Path
 
 from draftsmith.atomic import publish_directory
 from draftsmith.errors import DraftsmithError
-from draftsmith.layout import HIDDEN_STATE_GLOB, SHARD_MANIFEST, hidden_state_row
+from draftsmith.layout import HIDDEN_STATE_GLOB, hidden_state_row
 from draftsmith.progress import log
+from draftsmith.records import ShardManifest
 
 
 class TrainingViewError(DraftsmithError):
@@ -30,15 +30,11 @@ def hidden_state_files(shard: Path) -> dict[int, Path]:
     return {hidden_state_row(path): path for path in shard.glob(HIDDEN_STATE_GLOB)}
 
 
-def manifest_of(shard: Path) -> dict:
-    manifest = shard / SHARD_MANIFEST
-    return json.loads(manifest.read_text()) if manifest.is_file() else {}
-
-
 def stored_row_count(shards: list[Path], rows: int) -> int:
     """Rows the shards must cover together: their manifests' ``stored_rows`` (all rows for a
     manifest from before disk budgets). Shards made under different budgets do not mix."""
-    counts = {manifest_of(shard).get("stored_rows", rows) for shard in shards}
+    manifests = [ShardManifest.read(shard) for shard in shards]
+    counts = {rows if m is None or m.stored_rows is None else m.stored_rows for m in manifests}
     if len(counts) > 1:
         raise TrainingViewError(
             f"the shards were extracted under different disk budgets ({sorted(counts)} rows); rerun extraction"
