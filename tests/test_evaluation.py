@@ -318,3 +318,30 @@ def test_bad_evaluation_settings_are_refused_by_the_schema(evaluation, message):
     config["evaluation"].update(evaluation)
     problem = config_problem(config, SCHEMA)
     assert problem is not None and problem.startswith("config evaluation"), problem
+
+
+def test_counters_are_summed_over_engines_and_labels():
+    """vLLM's /metrics page has a sample per engine (and per label); a total adds them all."""
+    from draftsmith.evaluate import spec_decode_counters
+    from draftsmith.server import counter_totals
+
+    page = "\n".join(
+        [
+            "# TYPE vllm:spec_decode_num_drafts counter",
+            'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0',
+            'vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 5.0',
+            "# TYPE vllm:spec_decode_num_draft_tokens counter",
+            'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 30.0',
+            "# TYPE vllm:spec_decode_num_accepted_tokens counter",
+            'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 21.0',
+            "# TYPE vllm:request_success counter",
+            'vllm:request_success_total{engine="0",finished_reason="length"} 7.0',
+            'vllm:request_success_total{engine="0",finished_reason="stop"} 2.0',
+            "",
+        ]
+    )
+    assert spec_decode_counters(page) == {"drafts": 15, "draft_tokens": 30, "accepted_tokens": 21}
+    assert counter_totals(page, ["vllm:request_success_total", "absent"]) == {
+        "vllm:request_success_total": 9,
+        "absent": 0,
+    }

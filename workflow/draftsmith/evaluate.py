@@ -35,14 +35,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.client import SPECULATORS_CLIENT, chat_poster, open_session
 from draftsmith.evaluation_sets import read_prompts
 from draftsmith.progress import Progress, log
-from draftsmith.server import Endpoint, ServerSpec, read_metrics
+from draftsmith.server import Endpoint, ServerSpec, counter_totals, read_metrics
 from draftsmith.server_stage import RequestPolicy, ServerStage, StageError
 from draftsmith.serving import EvaluationAttention, evaluation_attention
 from draftsmith.settings import concurrencies, draft_lengths, lookup
@@ -114,17 +112,9 @@ class Phase:
 
 def spec_decode_counters(metrics_text: str) -> dict[str, Any]:
     """Sum vLLM's spec-decode counters (over engines/labels) from a /metrics page."""
-    totals: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
-    names = {
-        f"{SPEC_METRIC_PREFIX}drafts_total": "drafts",
-        f"{SPEC_METRIC_PREFIX}draft_tokens_total": "draft_tokens",
-        f"{SPEC_METRIC_PREFIX}accepted_tokens_total": "accepted_tokens",
-    }
-    for family in text_string_to_metric_families(metrics_text):
-        for sample in family.samples:
-            if sample.name in names:
-                totals[names[sample.name]] += int(sample.value)
-    return totals
+    names = ("drafts", "draft_tokens", "accepted_tokens")
+    totals = counter_totals(metrics_text, [f"{SPEC_METRIC_PREFIX}{name}_total" for name in names])
+    return {name: totals[f"{SPEC_METRIC_PREFIX}{name}_total"] for name in names}
 
 
 async def run_phase(stage: ServerStage[int], endpoint: Endpoint, prompts: list[dict], phase: Phase, label: str) -> None:

@@ -21,7 +21,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,6 +73,18 @@ def read_metrics(endpoint: Endpoint) -> str:
     request = urllib.request.Request(f"{endpoint.root_url}/metrics", headers=endpoint.headers())
     with urllib.request.urlopen(request, timeout=30) as response:
         return response.read().decode()
+
+
+def counter_totals(metrics_text: str, names: Iterable[str]) -> dict[str, int]:
+    """Each named counter of a /metrics page, summed over its engines and labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = dict.fromkeys(names, 0)
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] += int(sample.value)
+    return totals
 
 
 @dataclass(frozen=True)

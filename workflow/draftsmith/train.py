@@ -64,7 +64,7 @@ from draftsmith.layout import (
 )
 from draftsmith.progress import log, stderr_file
 from draftsmith.records import TrainingMetrics
-from draftsmith.server import Endpoint, ServerSpec, log_tail, managed_server, read_metrics
+from draftsmith.server import Endpoint, ServerSpec, counter_totals, log_tail, managed_server, read_metrics
 from draftsmith.settings import item_settings, limited_budget, trainer_processes
 from draftsmith.slot import GpuSlotError, check_gpu_slot
 from draftsmith.speculators_cpu import METRICS_FILE_ENV
@@ -522,18 +522,12 @@ def epoch_metrics(metrics_file: Path) -> list[dict]:
     return result
 
 
+FINISHED_REQUESTS = "vllm:request_success_total"
+
+
 def capture_requests(endpoint: Endpoint) -> int:
     """Rows the capture server answered, by its own counter (finished requests)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return int(
-        sum(
-            sample.value
-            for family in text_string_to_metric_families(read_metrics(endpoint))
-            for sample in family.samples
-            if sample.name == "vllm:request_success_total"
-        )
-    )
+    return counter_totals(read_metrics(endpoint), [FINISHED_REQUESTS])[FINISHED_REQUESTS]
 
 
 def publish(
