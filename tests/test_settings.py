@@ -178,3 +178,24 @@ def test_every_stage_that_sizes_the_stored_rows_sees_the_disk_budget(rule):
         assert "hidden_states" not in view
     else:
         assert settings.limited_budget(view) == 10**6
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "reruns", "stays"),
+    [
+        # Storing fp8 re-makes the shards and retrains; the answers and the dataset stay.
+        ("hidden_states.stored_dtype", "fp8", {"extract", "train"}, {"generate", "dataset"}),
+        # Fully online: training again, and no extraction job in the DAG at all.
+        ("hidden_states.disk_budget", 0, {"train"}, {"extract", "generate", "dataset"}),
+        # One more draft length is one more job; the others and the baseline stay.
+        ("evaluation.num_speculative_tokens", [3, 1, 2], {"evaluate_drafter"}, {"evaluate_baseline", "train"}),
+    ],
+)
+def test_what_a_change_reruns_on_a_finished_run(key, value, reruns, stays):
+    base = demo_config()
+    changed = yaml.safe_load(yaml.safe_dump(base))
+    section, leaf = key.split(".")
+    changed[section][leaf] = value
+    validate(changed, str(SCHEMA))
+    found = settings.reruns_between(base, changed)
+    assert reruns <= found and not stays & found, sorted(found)

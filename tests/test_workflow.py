@@ -30,18 +30,7 @@ from interrupt import count, log_says, run_until, staged_answers, uninterrupted_
 from snakemake.utils import validate
 
 from draftsmith.records import ShardManifest
-from draftsmith.settings import (
-    RULE_ORDER,
-    SWEPT,
-    WHERE,
-    downstream,
-    draft_lengths,
-    limited_budget,
-    lookup,
-    reruns,
-    swept,
-    tracked_settings,
-)
+from draftsmith.settings import reruns_between
 
 ROOT = Path(__file__).resolve().parents[1]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
@@ -299,6 +288,7 @@ MATRIX = [
     ("extraction.max_retries", 1),
     ("hidden_states.disk_budget", "1 MB"),  # part of the rows stored, the rest captured
     ("hidden_states.disk_budget", 0),  # fully online: no extraction job
+    ("hidden_states.stored_dtype", "fp8"),
     ("hidden_states.capture_memory_fraction", 0.6),
     ("training.epochs", 16),
     ("training.lr", 0.001),
@@ -331,32 +321,13 @@ def changed_config(base: dict, key: str, value) -> dict:
     return config
 
 
-def expected_reruns(base: dict, changed: dict, key: str) -> set[str]:
-    """What settings.py says the change re-runs: the rules whose tracked settings differ,
-    and what follows them, among the rules the changed config has."""
+def expected_reruns(base: dict, changed: dict) -> set[str]:
+    """What settings.py says the change re-runs (``reruns_between``), on the validated configs."""
     schema = str(ROOT / "workflow/schemas/config.schema.yaml")
     base, changed = copy.deepcopy(base), copy.deepcopy(changed)
     validate(base, schema)
     validate(changed, schema)
-    if key in WHERE:
-        found = set(reruns(key))
-    else:
-        found = downstream(
-            rule for rule in RULE_ORDER if tracked_settings(base, rule) != tracked_settings(changed, rule)
-        )
-    if not changed["target"]["build_demo"]:
-        found.discard("demo_model")
-    if not changed["evaluation"]["compare_untrained"]:
-        found.discard("untrained_drafter")
-    if limited_budget(changed) == 0:  # nothing stored: the DAG has no extraction job
-        found.discard("extract")
-    # A swept setting's new values are jobs of their own (the untrained drafter's too, when
-    # the default draft length changes).
-    if key in SWEPT and set(swept(lookup(changed, key))) - set(swept(lookup(base, key))):
-        found.add(SWEPT[key])
-    if key in SWEPT and draft_lengths(changed)[0] != draft_lengths(base)[0]:
-        found.add("evaluate_untrained")
-    return found
+    return reruns_between(base, changed)
 
 
 def test_each_key_changed_alone_plans_exactly_what_the_table_says(demo_run):
@@ -365,13 +336,13 @@ def test_each_key_changed_alone_plans_exactly_what_the_table_says(demo_run):
     base = demo_config(demo_run)
     other_source = dict(MATRIX)["questions.source"]
     shutil.copy(demo_run / base["questions"]["source"], demo_run / other_source)
-    cases = {f"{key}={json.dumps(value)}": (key, changed_config(base, key, value)) for key, value in MATRIX}
+    cases = {f"{key}={json.dumps(value)}": changed_config(base, key, value) for key, value in MATRIX}
     with ThreadPoolExecutor(2) as pool:  # dry runs only read; two at a time on two cores
-        jobs = pool.map(lambda item: dry_run(demo_run, item[1][1], f"matrix_{item[0]}"), enumerate(cases.values()))
+        jobs = pool.map(lambda item: dry_run(demo_run, item[1], f"matrix_{item[0]}"), enumerate(cases.values()))
         planned = dict(zip(cases, jobs, strict=True))
     wrong = {}
-    for case, (key, config) in cases.items():
-        expected = expected_reruns(base, config, key)
+    for case, config in cases.items():
+        expected = expected_reruns(base, config)
         if set(planned[case]) != expected:
             wrong[case] = {"planned": sorted(planned[case]), "table": sorted(expected)}
     assert wrong == {}, json.dumps(wrong, indent=1)

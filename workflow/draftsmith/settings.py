@@ -538,6 +538,38 @@ def reruns(setting: str) -> list[str]:
     return [rule for rule in RULE_ORDER if rule in found]
 
 
+def absent_rules(config: dict) -> set[str]:
+    """Rules this config's DAG leaves out (common.smk): no demo build, no untrained
+    drafter, and no extraction when nothing is stored."""
+    absent = set()
+    if not config["target"]["build_demo"]:
+        absent.add("demo_model")
+    if not config["evaluation"]["compare_untrained"]:
+        absent.add("untrained_drafter")
+    if limited_budget(config) == 0:
+        absent.add("extract")
+    return absent
+
+
+def reruns_between(base: dict, changed: dict) -> set[str]:
+    """The rules a finished run of ``base`` re-runs when its config becomes ``changed`` (both
+    validated): those whose tracked settings differ and what follows them, among the rules
+    ``changed`` has. The matrix test holds Snakemake's own plan to this."""
+    if any(lookup(base, key) != lookup(changed, key) for key in WHERE):
+        found = set(reruns(WHERE[0]))
+    else:
+        found = downstream(
+            rule for rule in RULE_ORDER if tracked_settings(base, rule) != tracked_settings(changed, rule)
+        )
+    found -= absent_rules(changed)
+    for key, rule in SWEPT.items():
+        if set(swept(lookup(changed, key))) - set(swept(lookup(base, key))):
+            found.add(rule)  # a new value is a job of its own; the others stay
+    if changed["evaluation"]["compare_untrained"] and draft_lengths(changed)[0] != draft_lengths(base)[0]:
+        found.add("evaluate_untrained")  # measured at the default draft length only
+    return found
+
+
 def reruns_text(setting: str) -> str:
     """The README's "re-runs" cell: the rules that track the setting, and what follows them
     (``followers_text``)."""
