@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
-from draftsmith import extract, train
+from draftsmith import extract, layout, train
 from draftsmith.demo_model import deepseek_config
 from draftsmith.disk_budget import RowSplit
 from draftsmith.extract import ExtractionError, check_settings, serving_dtype, shard_range
@@ -276,7 +276,7 @@ def test_a_row_captured_while_training_equals_the_stored_row(
     }
     empty = tmp_path / "no_stored_rows"
     empty.mkdir()
-    paths = train.TrainPaths(dataset_dir, empty, tmp_path / "staging", tmp_path / "drafter")
+    paths = layout.TrainPaths(dataset_dir, empty, tmp_path / "staging", tmp_path / "drafter")
     rows = len(tiny_rows())
     with train.capture_server(settings, paths, RowSplit(rows, 0)) as endpoint:
         assert endpoint is not None and endpoint.api_key == train.CAPTURE_API_KEY

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from snakemake.utils import validate
 
-from draftsmith import dataset, extract, generate, preflight, train
+from draftsmith import dataset, extract, generate, layout, preflight, train
 from draftsmith.layers import resolve_layers
 from draftsmith.plan import plan_for
 from draftsmith.server import ServerSpec
@@ -70,7 +70,7 @@ def test_trust_remote_code_reaches_every_consumer(kimi, tmp_path, monkeypatch):
     prepare = dataset.prepare_data_command(stage_view(kimi, "dataset"), tmp_path / "m.jsonl", tmp_path / "o")
     assert "--trust-remote-code" in prepare
     layers = resolve_layers(kimi["layers"], 61)
-    paths = train.TrainPaths(tmp_path / "d", tmp_path / "h", tmp_path / "s", tmp_path / "o")
+    paths = layout.TrainPaths(tmp_path / "d", tmp_path / "h", tmp_path / "s", tmp_path / "o")
     for stage in ("train", "untrained_drafter"):
         assert "--trust-remote-code" in train.speculators_args(stage_view(kimi, stage), layers, paths)
     for stage in ("generate", "extract", "evaluate_baseline", "evaluate_drafter"):

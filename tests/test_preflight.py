@@ -14,7 +14,7 @@ import pytest
 import yaml
 from snakemake.utils import validate
 
-from draftsmith import evaluation_sets, preflight
+from draftsmith import evaluation_sets, layout, preflight
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -341,7 +341,7 @@ def test_the_flags_the_stages_pass_are_the_declared_ones(tmp_path):
     from draftsmith.layers import resolve_layers
 
     settings = demo_settings(tmp_path)
-    paths = train.TrainPaths(tmp_path / "d", tmp_path / "h", tmp_path / "s", tmp_path / "o")
+    paths = layout.TrainPaths(tmp_path / "d", tmp_path / "h", tmp_path / "s", tmp_path / "o")
     layers = resolve_layers(settings["layers"], 6)
     argv = train.speculators_args(settings, layers, paths) + train.CPU_TRAINER_FLAGS
     argv += train.speculators_args(settings, layers, paths, captures=True)  # past a disk budget

@@ -19,12 +19,12 @@ from draftsmith import speculators_cpu, train
 from draftsmith.demo_model import build_demo_model
 from draftsmith.disk_budget import dataset_row_tokens, row_bytes
 from draftsmith.layers import resolve_layers
+from draftsmith.layout import TrainPaths
 from draftsmith.records import TrainingMetrics
 from draftsmith.server import Endpoint
 from draftsmith.slot import GpuSlotError
 from draftsmith.train import (
     TrainError,
-    TrainPaths,
     drop_unfinished_epoch,
     reset_if_changed,
     run,

@@ -93,7 +93,8 @@ def matmul_peak_tflops(n: int = 8192, reps: int = 20, trials: int = 3) -> float:
 def stage_argv(data: Path, save: Path, total_seq_len: int, extra: list[str]) -> list[str]:
     """The training stage's `speculators train` arguments for the Kimi example."""
     from draftsmith.layers import resolve_layers
-    from draftsmith.train import TrainPaths, speculators_args
+    from draftsmith.layout import TrainPaths
+    from draftsmith.train import speculators_args
 
     settings = {
         "target": {"model": str(data / "verifier"), "trust_remote_code": False},

@@ -197,3 +197,38 @@ class Layout:
 
     def report_file(self, name: str) -> Path:
         return self.results / "report" / name
+
+
+@dataclass(frozen=True)
+class TrainPaths:
+    """One training job's inputs and outputs (its rule's paths), and its own work in
+    ``staging``: checkpoints, speculators' dataset view, metrics, the capture directory."""
+
+    dataset: Path
+    hidden_states: Path
+    staging: Path
+    output: Path
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.staging / "checkpoints"
+
+    @property
+    def dataset_view(self) -> Path:
+        """What speculators reads as its --data-path: links to the published dataset's
+        files, because it writes its vocabulary mappings (d2t-N.npy, t2d-N.npy) into that
+        directory, and the dataset stage's output is not ours to change."""
+        return self.staging / "dataset"
+
+    @property
+    def metrics(self) -> Path:
+        return self.staging / "metrics.jsonl"
+
+    @property
+    def args_record(self) -> Path:
+        return self.staging / "train_args.json"
+
+    @property
+    def capture(self) -> Path:
+        """Where the capture server writes the rows it is asked for (speculators deletes them)."""
+        return self.staging / "capture"

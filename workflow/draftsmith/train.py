@@ -41,7 +41,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -60,6 +59,7 @@ from draftsmith.layout import (
     ROW_IDS,
     SHARD_MANIFEST,
     TOKEN_FREQUENCIES,
+    TrainPaths,
     hidden_state_file,
 )
 from draftsmith.progress import log, stderr_file
@@ -107,38 +107,6 @@ CAPTURE_API_KEY = "EMPTY"
 
 class TrainError(DraftsmithError):
     pass
-
-
-@dataclass(frozen=True)
-class TrainPaths:
-    dataset: Path
-    hidden_states: Path
-    staging: Path
-    output: Path
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.staging / "checkpoints"
-
-    @property
-    def dataset_view(self) -> Path:
-        """What speculators reads as its --data-path: links to the published dataset's
-        files, because it writes its vocabulary mappings (d2t-N.npy, t2d-N.npy) into that
-        directory, and the dataset stage's output is not ours to change."""
-        return self.staging / "dataset"
-
-    @property
-    def metrics(self) -> Path:
-        return self.staging / "metrics.jsonl"
-
-    @property
-    def args_record(self) -> Path:
-        return self.staging / "train_args.json"
-
-    @property
-    def capture(self) -> Path:
-        """Where the capture server writes the rows it is asked for (speculators deletes them)."""
-        return self.staging / "capture"
 
 
 # ---------------------------------------------------------------------------------------------
