@@ -61,7 +61,10 @@ def generation_stage(settings: dict) -> ServerStage[str]:
 
 
 @dataclass
-class Tally:
+class GenerationTally:
+    """What a generation run got: answers, those cut at max_tokens, and failed questions
+    (the evaluation's per-request counts are ``evaluate.Tally``)."""
+
     ok: int = 0
     truncated: int = 0
     errors: dict[str, str] = field(default_factory=dict)  # question id -> last error
@@ -167,7 +170,7 @@ async def answer_questions(
     *,
     already_done: int,
     total: int,
-) -> Tally:
+) -> GenerationTally:
     from speculators.cli.regenerate_responses import regenerate_conversation
 
     generation = stage.settings["generation"]
@@ -195,7 +198,7 @@ async def answer_questions(
             return {"truncated": int(record["finish_reason"] == "length")}
 
         failures = await stage.request_all(list(by_id), answer, progress)
-    return Tally(len(by_id) - len(failures), progress.counts.get("truncated", 0), failures)
+    return GenerationTally(len(by_id) - len(failures), progress.counts.get("truncated", 0), failures)
 
 
 def external_endpoint(settings: dict) -> Endpoint | None:
@@ -235,7 +238,7 @@ def overlong_prompts(settings: dict, questions: list[dict[str, Any]]) -> dict[st
     return lengths
 
 
-def run(settings: dict, questions_path: Path, staging: Path, output: Path, granted_gpus: int | None) -> Tally:
+def run(settings: dict, questions_path: Path, staging: Path, output: Path, granted_gpus: int | None) -> GenerationTally:
     stage = generation_stage(settings)
     stage.begin(granted_gpus, staging)
     questions = read_questions(questions_path)
@@ -258,7 +261,7 @@ def run(settings: dict, questions_path: Path, staging: Path, output: Path, grant
         log(f"{message}: skipped, counted as failed")
         todo = [q for q in todo if q["id"] not in overlong]
 
-    tally = Tally(errors={i: f"prompt of {n} tokens fills max_model_len" for i, n in overlong.items()})
+    tally = GenerationTally(errors={i: f"prompt of {n} tokens fills max_model_len" for i, n in overlong.items()})
     if todo:
         writer = RecordWriter(records_path)
         started = time.monotonic()
@@ -269,7 +272,7 @@ def run(settings: dict, questions_path: Path, staging: Path, output: Path, grant
                 asked = asyncio.run(
                     answer_questions(stage, endpoint, todo, writer, already_done=len(done), total=len(questions))
                 )
-            tally = Tally(asked.ok, asked.truncated, tally.errors | asked.errors)
+            tally = GenerationTally(asked.ok, asked.truncated, tally.errors | asked.errors)
         finally:
             writer.close()
         log(
