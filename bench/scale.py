@@ -38,9 +38,10 @@ import yaml
 from results_file import write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
-from draftsmith.evaluate import Tally, acceptance_length, merged  # noqa: E402
+from draftsmith.evaluate import acceptance_length, merged  # noqa: E402
 from draftsmith.evaluation_sets import HELDOUT  # noqa: E402
 from draftsmith.layout import Layout  # noqa: E402
+from draftsmith.records import Measurement  # noqa: E402
 
 DRAFT_LENGTH = 3
 SAMPLE_EVERY_S = 0.25
@@ -87,9 +88,9 @@ class DiskSampler:
 
 
 def heldout_acceptance(measurement: Path) -> float:
-    phases = json.loads(measurement.read_text())["phases"]
-    greedy = [p for p in phases if p["set"] == HELDOUT and p["sampling"].get("temperature") == 0.0]
-    return acceptance_length(merged(Tally(**t) for p in greedy for t in p["categories"].values()))
+    phases = Measurement.read(measurement).phases
+    greedy = [p for p in phases if p.set == HELDOUT and p.temperature == 0.0]
+    return acceptance_length(merged(t for p in greedy for t in p.categories.values()))
 
 
 def model_loads(layout: Layout, since: float) -> int:

@@ -6,7 +6,6 @@ top-level keys acceptance.json keeps, and the check against the server's counter
 """
 
 import json
-from dataclasses import asdict
 
 import pytest
 import yaml
@@ -24,6 +23,7 @@ from draftsmith.evaluate import (
 )
 from draftsmith.evaluation_report import tables_html
 from draftsmith.evaluation_summary import per_position, run, summarize
+from draftsmith.records import Measurement
 from draftsmith.settings import concurrencies, draft_lengths, evaluation_samplings, tracked_settings
 
 SCHEMA = str(ROOT / "workflow/schemas/config.schema.yaml")
@@ -95,7 +95,7 @@ def phase(name: str, concurrency: int, temperature: float, seconds: float, categ
     }
 
 
-def job(k, seconds_by_concurrency: dict, histogram=None, untrained=False) -> dict:
+def job(k, seconds_by_concurrency: dict, histogram=None, untrained=False) -> Measurement:
     """One measurement job: held-out and a two-category set, greedy, at each concurrency."""
     histogram = histogram or ([] if k is None else [1] * (k + 1))
     phases = []
@@ -110,7 +110,8 @@ def job(k, seconds_by_concurrency: dict, histogram=None, untrained=False) -> dic
                 {"py": (5, 50, seconds * 2, histogram), "sql": (5, 50, seconds * 3, histogram)},
             )
         )
-    return {"num_speculative_tokens": k, "phases": phases, "mla_disabled": False, "drafter": "x"}
+    record = {"num_speculative_tokens": k, "phases": phases, "mla_disabled": False, "drafter": "x"}
+    return Measurement.from_json(json.dumps(record | {"server_counters": {}}))
 
 
 def settings(ks, concurrency, untrained=False) -> dict:
@@ -153,7 +154,7 @@ def test_the_summary_writes_the_report_files_and_the_untrained_comparison(tmp_pa
         "k1": job(1, {8: 0.9, 1: 1.8}),
         "untrained": job(2, {8: 2.0, 1: 3.0}, histogram=[4, 0, 0]),
     }.items():
-        (tmp_path / f"{name}.json").write_text(json.dumps(record))
+        (tmp_path / f"{name}.json").write_text(record.to_json())
     outputs = {
         "acceptance": tmp_path / "acceptance.json",
         "spec_config": tmp_path / "spec.json",
@@ -187,15 +188,14 @@ def test_the_spread_is_two_standard_errors_of_the_requests_mean_speed():
     assert relative_spread(steady) == 0.0 and relative_spread(Tally()) == 0.0
 
 
-def measured_job(k, request_tokens: list[int], seconds: float) -> dict:
+def measured_job(k, request_tokens: list[int], seconds: float) -> Measurement:
     """One greedy held-out phase at concurrency 8 whose requests each took 1 s, tallied as
     evaluate.py tallies them; a drafter of length k accepts all its drafts."""
     tally = Tally()
     for tokens in request_tokens:
         tally.add(response(tokens, None if k is None else [0] * k + [1]), 1.0)
-    categories = {"all": asdict(tally)}
-    phases = [{"set": "heldout", "concurrency": 8, "sampling": {"temperature": 0.0}, "seconds": seconds}]
-    return {"num_speculative_tokens": k, "phases": [phases[0] | {"categories": categories}], "mla_disabled": False}
+    phase = Phase("heldout", 8, {"temperature": 0.0}, seconds, {"all": tally})
+    return Measurement(f"drafter-{k}", k, [phase], {}, mla_disabled=False)
 
 
 @pytest.mark.parametrize(
@@ -210,8 +210,6 @@ def measured_job(k, request_tokens: list[int], seconds: float) -> dict:
 def test_a_lead_within_the_spread_leaves_the_choice_to_acceptance(request_tokens, chosen, chosen_by):
     baseline = measured_job(None, request_tokens, 2.0)
     drafters = {k: measured_job(k, request_tokens, seconds) for k, seconds in ((1, 1.0), (3, 1.05))}
-    for k, job in drafters.items():
-        job["drafter"] = f"drafter-{k}"
     result = summarize(settings([3, 1], 8), baseline, drafters, None)
     (row,) = result["recommendation"]
     assert row["tokens_per_s_by_draft_length"] == {"1": 800.0, "3": pytest.approx(761.9)}

@@ -31,7 +31,6 @@ import json
 import math
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.client import SPECULATORS_CLIENT, chat_poster, open_session
 from draftsmith.evaluation_sets import read_prompts
 from draftsmith.progress import Progress, log
+from draftsmith.records import Measurement, Phase, Tally, summed
 from draftsmith.server import Endpoint, ServerSpec, counter_totals, read_metrics
 from draftsmith.server_stage import RequestPolicy, ServerStage, StageError
 from draftsmith.serving import EvaluationAttention, evaluation_attention
@@ -64,50 +64,6 @@ def evaluation_stage(settings: dict) -> ServerStage[int]:
     return ServerStage(
         "evaluate", settings, policy, "requests", name=lambda index: f"prompt {index}", error=EvaluationError
     )
-
-
-@dataclass
-class Tally:
-    """What some requests produced: tokens, their own latencies, and (with a drafter) the
-    summed acceptance histogram, ``histogram[j]`` = verify steps that accepted ``j`` tokens."""
-
-    requests: int = 0
-    completion_tokens: int = 0
-    request_seconds: float = 0.0
-    histogram: list[int] = field(default_factory=list)
-    draft_tokens: int = 0
-    # Sums of each request's own speed (tokens / its latency) and of its square: they add up
-    # over phases and sets like the counts do, and give the measurement its spread.
-    speed_sum: float = 0.0
-    speed_squares: float = 0.0
-
-    def add(self, response: dict, seconds: float) -> None:
-        tokens = response["usage"]["completion_tokens"]
-        self.requests += 1
-        self.completion_tokens += tokens
-        self.request_seconds += seconds
-        if seconds > 0:
-            self.speed_sum += tokens / seconds
-            self.speed_squares += (tokens / seconds) ** 2
-        spec = (response.get("metrics") or {}).get("speculative_decoding")
-        if spec:
-            self.histogram = summed(self.histogram, spec["acceptance_histogram"])
-            self.draft_tokens += spec["num_draft_tokens"]
-
-
-def summed(a: list[int], b: list[int]) -> list[int]:
-    return [(a[j] if j < len(a) else 0) + (b[j] if j < len(b) else 0) for j in range(max(len(a), len(b)))]
-
-
-@dataclass
-class Phase:
-    """One prompt set sent at one concurrency and one sampling."""
-
-    set: str
-    concurrency: int
-    sampling: dict
-    seconds: float = 0.0
-    categories: dict[str, Tally] = field(default_factory=lambda: defaultdict(Tally))
 
 
 def spec_decode_counters(metrics_text: str) -> dict[str, Any]:
@@ -159,7 +115,7 @@ def measure(
     k: int | None,
     attention: EvaluationAttention,
     default_only: bool = False,
-) -> dict:
+) -> Measurement:
     """Every phase on one server: the target alone, or with ``drafter`` at draft length ``k``."""
     settings = stage.settings
     extra = []
@@ -187,23 +143,14 @@ def measure(
         counters = spec_decode_counters(read_metrics(endpoint))
     if drafter is not None:
         check_against_server(phases, counters, drafter, retried=stage.retried)
-    return {
-        "drafter": str(drafter) if drafter else None,
-        "num_speculative_tokens": k,
-        "phases": [
-            {
-                "set": phase.set,
-                "concurrency": phase.concurrency,
-                "sampling": phase.sampling,
-                "seconds": phase.seconds,
-                "categories": {name: asdict(t) for name, t in sorted(phase.categories.items())},
-            }
-            for phase in phases
-        ],
-        "server_counters": counters,
-        "mla_disabled": attention.mla_disabled,
-        **({"mla_disabled_because": attention.reason} if attention.mla_disabled else {}),
-    }
+    return Measurement(
+        drafter=str(drafter) if drafter else None,
+        num_speculative_tokens=k,
+        phases=phases,
+        server_counters=counters,
+        mla_disabled=attention.mla_disabled,
+        mla_disabled_because=attention.reason if attention.mla_disabled else None,
+    )
 
 
 def merged(tallies) -> Tally:
@@ -289,7 +236,7 @@ def run(
     output: Path,
     granted_gpus: int | None,
     default_only: bool = False,
-) -> dict:
+) -> Measurement:
     stage = evaluation_stage(settings)
     stage.begin(granted_gpus)
     if drafter is not None and k not in draft_lengths(settings):
@@ -301,7 +248,7 @@ def run(
         log(attention.reason)
     log(f"evaluating on {len(prompts)} prompts in {len({p['set'] for p in prompts})} set(s)")
     result = measure(stage, prompts, drafter, k, attention, default_only)
-    atomic_write_text(output, json.dumps(result, indent=2) + "\n")
+    atomic_write_text(output, result.to_json())
     return result
 
 

@@ -30,7 +30,6 @@ from pathlib import Path
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.evaluate import (
-    Tally,
     acceptance_length,
     merged,
     relative_spread,
@@ -39,6 +38,7 @@ from draftsmith.evaluate import (
 from draftsmith.evaluation_report import choice_text, plot_acceptance, plot_speedup, sampling_name, tables_html
 from draftsmith.evaluation_sets import HELDOUT, NO_CATEGORY, WHOLE_SET
 from draftsmith.progress import log
+from draftsmith.records import Measurement, Phase, Tally
 from draftsmith.settings import concurrencies, draft_lengths
 
 
@@ -53,16 +53,14 @@ def per_position(tally: Tally, k: int) -> list[float]:
     return [round(n / steps, 4) if steps else 0.0 for n in accepted_at_positions(tally, k)]
 
 
-def temperature(sampling: dict) -> float:
-    return float(sampling.get("temperature", 0.0))
+def _key(phase: Phase) -> tuple[float, int, str]:
+    return phase.temperature, phase.concurrency, phase.set
 
 
-def _tallies(phase: dict) -> dict[str, Tally]:
-    return {name: Tally(**values) for name, values in phase["categories"].items()}
-
-
-def _key(phase: dict) -> tuple[float, int, str]:
-    return temperature(phase["sampling"]), phase["concurrency"], phase["set"]
+def drafter_length(job: Measurement) -> int:
+    if job.num_speculative_tokens is None:
+        raise ValueError(f"{job.drafter}: a drafter's measurement without a draft length")
+    return job.num_speculative_tokens
 
 
 def _speed(tokens: int, seconds: float) -> float:
@@ -78,24 +76,24 @@ def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 3) if b else None
 
 
-def result_rows(drafter: dict, baseline: dict) -> list[dict]:
+def result_rows(drafter: Measurement, baseline: Measurement) -> list[dict]:
     """One row per set (category ``*``) and per category of a set that has several, for
     every phase of one drafter job, against the baseline's same phase."""
-    k = drafter["num_speculative_tokens"]
-    alone = {_key(phase): phase for phase in baseline["phases"]}
+    k = drafter_length(drafter)
+    alone = {_key(phase): phase for phase in baseline.phases}
     rows = []
-    for phase in drafter["phases"]:
+    for phase in drafter.phases:
         base = alone[_key(phase)]
-        tallies, base_tallies = _tallies(phase), _tallies(base)
+        tallies, base_tallies = phase.categories, base.categories
         whole, base_whole = merged(tallies.values()), merged(base_tallies.values())
         common = {
             "num_speculative_tokens": k,
-            "concurrency": phase["concurrency"],
-            "temperature": temperature(phase["sampling"]),
-            "set": phase["set"],
+            "concurrency": phase.concurrency,
+            "temperature": phase.temperature,
+            "set": phase.set,
         }
-        with_drafter = _speed(whole.completion_tokens, phase["seconds"])
-        without = _speed(base_whole.completion_tokens, base["seconds"])
+        with_drafter = _speed(whole.completion_tokens, phase.seconds)
+        without = _speed(base_whole.completion_tokens, base.seconds)
         rows.append(
             {
                 **common,
@@ -106,8 +104,8 @@ def result_rows(drafter: dict, baseline: dict) -> list[dict]:
                 "tokens_per_s_without_drafter": without,
                 "tokens_per_s_without_drafter_spread": _spread(base_whole, without),
                 "speedup": _ratio(with_drafter, without),
-                "with_drafter_seconds": round(phase["seconds"], 3),
-                "without_drafter_seconds": round(base["seconds"], 3),
+                "with_drafter_seconds": round(phase.seconds, 3),
+                "without_drafter_seconds": round(base.seconds, 3),
             }
         )
         if set(tallies) != {NO_CATEGORY}:
@@ -158,14 +156,14 @@ class Pooled:
         return abs(self.tokens_per_s - other.tokens_per_s) <= math.hypot(self.spread, other.spread)
 
 
-def pooled(job: dict) -> dict[tuple[float, int], Pooled]:
+def pooled(job: Measurement) -> dict[tuple[float, int], Pooled]:
     """(temperature, concurrency) -> the job's throughput over all sets together."""
     tallies: dict[tuple[float, int], list[Tally]] = {}
     seconds: dict[tuple[float, int], float] = {}
-    for phase in job["phases"]:
-        key = (temperature(phase["sampling"]), phase["concurrency"])
-        tallies.setdefault(key, []).append(merged(_tallies(phase).values()))
-        seconds[key] = seconds.get(key, 0.0) + phase["seconds"]
+    for phase in job.phases:
+        key = (phase.temperature, phase.concurrency)
+        tallies.setdefault(key, []).append(merged(phase.categories.values()))
+        seconds[key] = seconds.get(key, 0.0) + phase.seconds
     measured = {}
     for key, parts in tallies.items():
         whole = merged(parts)
@@ -174,7 +172,7 @@ def pooled(job: dict) -> dict[tuple[float, int], Pooled]:
     return measured
 
 
-def recommend(drafters: dict[int, dict], baseline: dict) -> list[dict]:
+def recommend(drafters: dict[int, Measurement], baseline: Measurement) -> list[dict]:
     """For each (sampling, concurrency): the fastest draft length over all sets, or, of those
     within noise of it, the one with the longest acceptance (ties: the shorter draft)."""
     alone = pooled(baseline)
@@ -200,24 +198,26 @@ def recommend(drafters: dict[int, dict], baseline: dict) -> list[dict]:
                 "tokens_per_s_by_draft_length": {str(k): at[k].tokens_per_s for k in at},
                 "spread_by_draft_length": {str(k): at[k].spread for k in at},
                 "acceptance_length_by_draft_length": {str(k): at[k].acceptance_length for k in at},
-                "speculative_config": speculative_config(Path(drafters[best]["drafter"]), best),
+                "speculative_config": speculative_config(Path(str(drafters[best].drafter)), best),
             }
         )
     return rows
 
 
-def _default_measurement(job: dict, concurrency: int) -> tuple[dict, Tally]:
-    phase = next(p for p in job["phases"] if _key(p) == (0.0, concurrency, HELDOUT))
-    return phase, merged(_tallies(phase).values())
+def _default_measurement(job: Measurement, concurrency: int) -> tuple[Phase, Tally]:
+    phase = next(p for p in job.phases if _key(p) == (0.0, concurrency, HELDOUT))
+    return phase, merged(phase.categories.values())
 
 
-def legacy_fields(drafter: dict, baseline: dict, untrained: dict | None, k: int, concurrency: int) -> dict:
+def legacy_fields(
+    drafter: Measurement, baseline: Measurement, untrained: Measurement | None, k: int, concurrency: int
+) -> dict:
     """acceptance.json's top level as before: held-out, default draft length and concurrency, greedy."""
     phase, tally = _default_measurement(drafter, concurrency)
     base_phase, base = _default_measurement(baseline, concurrency)
     with_speed, without_speed = (
-        _speed(tally.completion_tokens, phase["seconds"]),
-        _speed(base.completion_tokens, base_phase["seconds"]),
+        _speed(tally.completion_tokens, phase.seconds),
+        _speed(base.completion_tokens, base_phase.seconds),
     )
     result = {
         "acceptance_length": round(acceptance_length(tally), 4),
@@ -230,16 +230,16 @@ def legacy_fields(drafter: dict, baseline: dict, untrained: dict | None, k: int,
         "speedup": _ratio(with_speed, without_speed),
         "num_speculative_tokens": k,
         "concurrency": concurrency,
-        "with_drafter": _measurement(tally, phase["seconds"], k),
-        "without_drafter": _measurement(base, base_phase["seconds"], 0),
+        "with_drafter": _measurement(tally, phase.seconds, k),
+        "without_drafter": _measurement(base, base_phase.seconds, 0),
     }
     if untrained is not None:
         _, untrained_tally = _default_measurement(untrained, concurrency)
         result["untrained_acceptance_length"] = round(acceptance_length(untrained_tally), 4)
         result["untrained_acceptance_per_position"] = per_position(untrained_tally, k)
-    result["mla_disabled"] = drafter["mla_disabled"]
-    if drafter["mla_disabled"]:
-        result["mla_disabled_because"] = drafter["mla_disabled_because"]
+    result["mla_disabled"] = drafter.mla_disabled
+    if drafter.mla_disabled:
+        result["mla_disabled_because"] = drafter.mla_disabled_because
     return result
 
 
@@ -259,7 +259,9 @@ def _measurement(tally: Tally, seconds: float, k: int) -> dict:
 # --- the stage -----------------------------------------------------------------------------
 
 
-def summarize(settings: dict, baseline: dict, drafters: dict[int, dict], untrained: dict | None) -> dict:
+def summarize(
+    settings: dict, baseline: Measurement, drafters: dict[int, Measurement], untrained: Measurement | None
+) -> dict:
     k, concurrency = draft_lengths(settings)[0], concurrencies(settings)[0]
     result = legacy_fields(drafters[k], baseline, untrained, k, concurrency)
     result["results"] = [row for length in sorted(drafters) for row in result_rows(drafters[length], baseline)]
@@ -274,10 +276,9 @@ def run(
     untrained: Path | None,
     outputs: dict[str, Path],
 ) -> dict:
-    jobs = [json.loads(path.read_text()) for path in drafter_jobs]
-    drafters = {job["num_speculative_tokens"]: job for job in jobs}
-    untrained_job = json.loads(untrained.read_text()) if untrained else None
-    result = summarize(settings, json.loads(baseline.read_text()), drafters, untrained_job)
+    drafters = {drafter_length(job): job for job in map(Measurement.read, drafter_jobs)}
+    untrained_job = Measurement.read(untrained) if untrained else None
+    result = summarize(settings, Measurement.read(baseline), drafters, untrained_job)
     chosen = next(
         r for r in result["recommendation"] if r["temperature"] == 0.0 and r["concurrency"] == result["concurrency"]
     )

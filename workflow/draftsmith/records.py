@@ -4,6 +4,8 @@
   read by the training view (how many rows are stored) and fingerprinted by training.
 - ``TrainingMetrics``: what training did (``drafter/training_metrics.json``), read by the
   report's training curves and the bench.
+- ``Measurement``: one evaluation job (``eval/baseline.json``, ``eval/drafter_k<k>.json``):
+  its ``Phase``s, each with a ``Tally`` per prompt category, read by the evaluation summary.
 
 A record reads back what its writer wrote (``from_json(to_json(r)) == r``); a file from
 before a field existed reads with that field's default, so finished runs stay readable.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -74,4 +77,100 @@ class TrainingMetrics(_Record):
     @classmethod
     def read(cls, drafter_or_file: Path) -> TrainingMetrics:
         path = drafter_or_file / TRAINING_METRICS if drafter_or_file.is_dir() else drafter_or_file
+        return cls.from_json(path.read_text())
+
+
+@dataclass
+class Tally:
+    """What some requests produced: tokens, their own latencies, and (with a drafter) the
+    summed acceptance histogram, ``histogram[j]`` = verify steps that accepted ``j`` tokens."""
+
+    requests: int = 0
+    completion_tokens: int = 0
+    request_seconds: float = 0.0
+    histogram: list[int] = field(default_factory=list)
+    draft_tokens: int = 0
+    # Sums of each request's own speed (tokens / its latency) and of its square: they add up
+    # over phases and sets like the counts do, and give the measurement its spread.
+    speed_sum: float = 0.0
+    speed_squares: float = 0.0
+
+    def add(self, response: dict, seconds: float) -> None:
+        tokens = response["usage"]["completion_tokens"]
+        self.requests += 1
+        self.completion_tokens += tokens
+        self.request_seconds += seconds
+        if seconds > 0:
+            self.speed_sum += tokens / seconds
+            self.speed_squares += (tokens / seconds) ** 2
+        spec = (response.get("metrics") or {}).get("speculative_decoding")
+        if spec:
+            self.histogram = summed(self.histogram, spec["acceptance_histogram"])
+            self.draft_tokens += spec["num_draft_tokens"]
+
+
+def summed(a: list[int], b: list[int]) -> list[int]:
+    return [(a[j] if j < len(a) else 0) + (b[j] if j < len(b) else 0) for j in range(max(len(a), len(b)))]
+
+
+@dataclass
+class Phase:
+    """One prompt set sent at one concurrency and one sampling."""
+
+    set: str
+    concurrency: int
+    sampling: dict
+    seconds: float = 0.0
+    categories: dict[str, Tally] = field(default_factory=lambda: defaultdict(Tally))
+
+    @property
+    def temperature(self) -> float:
+        return float(self.sampling.get("temperature", 0.0))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "set": self.set,
+            "concurrency": self.concurrency,
+            "sampling": self.sampling,
+            "seconds": self.seconds,
+            "categories": {name: dataclasses.asdict(tally) for name, tally in sorted(self.categories.items())},
+        }
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Phase:
+        categories = {name: Tally(**tally) for name, tally in values["categories"].items()}
+        return cls(values["set"], values["concurrency"], values["sampling"], values["seconds"], categories)
+
+
+@dataclass(frozen=True)
+class Measurement(_Record):
+    """One evaluation job: the target alone (``drafter`` None) or with a drafter at
+    ``num_speculative_tokens``, every phase, and the server's own spec-decode counters."""
+
+    drafter: str | None
+    num_speculative_tokens: int | None
+    phases: list[Phase]
+    server_counters: dict[str, int]
+    mla_disabled: bool
+    mla_disabled_because: str | None = None  # written only when MLA was disabled
+
+    def to_json(self) -> str:
+        values: dict[str, Any] = {
+            "drafter": self.drafter,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "phases": [phase.to_dict() for phase in self.phases],
+            "server_counters": self.server_counters,
+            "mla_disabled": self.mla_disabled,
+        }
+        if self.mla_disabled_because is not None:
+            values["mla_disabled_because"] = self.mla_disabled_because
+        return json.dumps(values, indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> Measurement:
+        values = json.loads(text)
+        return cls(**(values | {"phases": [Phase.from_dict(phase) for phase in values["phases"]]}))
+
+    @classmethod
+    def read(cls, path: Path) -> Measurement:
         return cls.from_json(path.read_text())
