@@ -61,11 +61,16 @@ def parse_budget(value: int | str) -> int | None:
     return int(float(match.group(1)) * UNITS[unit])
 
 
-def row_bytes(tokens: int, stored_layers: int, hidden_size: int, fp8: bool = False) -> int:
+def state_bytes_per_token(stored_layers: int, hidden_size: int, fp8: bool = False) -> int:
+    """The hidden states of one token as stored: bf16 values, or fp8 values and their scale."""
     if fp8:
-        per_token = stored_layers * hidden_size * FP8_BYTES_PER_VALUE + FP8_SCALE_BYTES
-        return tokens * (per_token + TOKEN_ID_BYTES) + FP8_HEADER_BYTES
-    return tokens * (stored_layers * hidden_size * BYTES_PER_VALUE + TOKEN_ID_BYTES) + HEADER_BYTES
+        return stored_layers * hidden_size * FP8_BYTES_PER_VALUE + FP8_SCALE_BYTES
+    return stored_layers * hidden_size * BYTES_PER_VALUE
+
+
+def row_bytes(tokens: int, stored_layers: int, hidden_size: int, fp8: bool = False) -> int:
+    header = FP8_HEADER_BYTES if fp8 else HEADER_BYTES
+    return tokens * (state_bytes_per_token(stored_layers, hidden_size, fp8) + TOKEN_ID_BYTES) + header
 
 
 def stored_rows(

@@ -47,7 +47,7 @@ from draftsmith.progress import Progress, log
 from draftsmith.records import ShardManifest
 from draftsmith.server import Endpoint, ServerSpec
 from draftsmith.server_stage import RequestPolicy, ServerStage, StageError, first_errors
-from draftsmith.settings import item_settings, limited_budget
+from draftsmith.settings import item_settings, limited_budget, stores_fp8
 from draftsmith.shard_gate import BadSample, check_sample, check_shard
 from draftsmith.staging import fingerprint_of, matching_siblings
 
@@ -184,8 +184,7 @@ def target_shape(settings: dict) -> tuple[LayerPlan, SampleShape]:
         getattr(text_config, "dtype", None) or getattr(config, "dtype", None),
         settings["server"].get("extra_args", []),
     )
-    fp8 = settings["hidden_states"]["stored_dtype"] == "fp8"
-    return plan, SampleShape(len(plan.vllm_ids), text_config.hidden_size, dtype, fp8)
+    return plan, SampleShape(len(plan.vllm_ids), text_config.hidden_size, dtype, stores_fp8(settings))
 
 
 def extraction_server_args(plan: LayerPlan, storage_dir: Path, shape: SampleShape) -> list[str]:

@@ -18,11 +18,11 @@ from pathlib import Path
 
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
-from draftsmith.disk_budget import BYTES_PER_VALUE, FP8_BYTES_PER_VALUE, FP8_SCALE_BYTES, row_bytes
+from draftsmith.disk_budget import row_bytes, state_bytes_per_token
 from draftsmith.errors import DraftsmithError
 from draftsmith.layout import Layout
 from draftsmith.progress import log
-from draftsmith.settings import draft_lengths, limited_budget, trainer_processes
+from draftsmith.settings import draft_lengths, limited_budget, stores_fp8, trainer_processes
 from draftsmith.slot import gpus_needed
 from draftsmith.target import read_target_config
 
@@ -110,9 +110,8 @@ def plan_for(settings: dict, results: Path) -> dict:
         tokens_basis = "upper bound"
     training_tokens = int(per_row * train)
     layers, hidden = len(settings["layers"]), target["hidden_size"]
-    fp8 = settings["hidden_states"]["stored_dtype"] == "fp8"
-    per_token = layers * hidden * FP8_BYTES_PER_VALUE + FP8_SCALE_BYTES if fp8 else layers * hidden * BYTES_PER_VALUE
-    hidden_bytes = training_tokens * per_token
+    fp8 = stores_fp8(settings)
+    hidden_bytes = training_tokens * state_bytes_per_token(layers, hidden, fp8)
     layout = Layout(results)
     done = _done(layout)
     written_bytes = sum(p.stat().st_size for p in layout.hidden_state_files())

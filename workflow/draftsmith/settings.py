@@ -163,7 +163,7 @@ DERIVED = {
     # Unset (None) while rows are stored as served: see MODE_SETTINGS.
     "hidden_states.fp8_storage": (
         ("hidden_states.stored_dtype",),
-        lambda c: True if c["hidden_states"]["stored_dtype"] == "fp8" else None,
+        lambda c: True if stores_fp8(c) else None,
     ),
     # What computes the rows training captures on demand: the extraction server's numerics
     # and release (with no extraction stage, training is what must re-run on a change).
@@ -184,6 +184,11 @@ DERIVED = {
 MODE_SETTINGS = frozenset(
     {"hidden_states.limited_budget", "hidden_states.capture_numerics", "hidden_states.fp8_storage"}
 )
+
+
+def stores_fp8(config: dict) -> bool:
+    """``hidden_states.stored_dtype: fp8``: stored and captured rows hold fp8 states."""
+    return config["hidden_states"]["stored_dtype"] == "fp8"
 
 
 def limited_budget(config: dict) -> int | None:

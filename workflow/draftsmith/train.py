@@ -65,7 +65,7 @@ from draftsmith.layout import (
 from draftsmith.progress import log, stderr_file
 from draftsmith.records import TrainingMetrics
 from draftsmith.server import Endpoint, ServerSpec, counter_totals, log_tail, managed_server, read_metrics
-from draftsmith.settings import item_settings, limited_budget, trainer_processes
+from draftsmith.settings import item_settings, limited_budget, stores_fp8, trainer_processes
 from draftsmith.slot import GpuSlotError, check_gpu_slot
 from draftsmith.speculators_cpu import METRICS_FILE_ENV
 from draftsmith.target import draft_vocab_problem, read_target_config
@@ -234,10 +234,6 @@ def speculators_args(settings: dict, plan: LayerPlan, paths: TrainPaths, capture
     if settings["target"]["trust_remote_code"]:
         argv.append("--trust-remote-code")
     return argv + list(training["extra_args"])
-
-
-def stores_fp8(settings: dict) -> bool:
-    return settings["hidden_states"]["stored_dtype"] == "fp8"
 
 
 def launcher(settings: dict, processes: int) -> list[str]:
