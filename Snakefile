@@ -5,6 +5,7 @@ from snakemake.utils import min_version, validate
 
 from draftsmith.config_check import config_problem, cross_field_problems
 from draftsmith.preflight import check_local_inputs
+from draftsmith.run_config import RunConfig
 
 min_version("9.0")
 
@@ -20,11 +21,13 @@ if not workflow.overwrite_configfiles:
 if problem := config_problem(config, "workflow/schemas/config.schema.yaml"):
     raise WorkflowError(problem)
 validate(config, "workflow/schemas/config.schema.yaml")
-if problems := cross_field_problems(config):
+# The validated config, typed (draftsmith/run_config.py): the rules read it as RUN.
+RUN = RunConfig.from_dict(config)
+if problems := cross_field_problems(RUN):
     raise WorkflowError("\n".join(problems))
 # Paths the config names must exist, checked on every start (dry runs too): Snakemake does
 # not look at the inputs of a finished job, so a mistyped path would pass as "nothing to do".
-if missing := check_local_inputs(config):
+if missing := check_local_inputs(RUN):
     raise WorkflowError(f"config: {missing[0]}")
 
 

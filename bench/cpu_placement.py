@@ -22,6 +22,7 @@ from generation_client import demo_config, demo_questions, plain_load
 from results_file import write_result
 
 from draftsmith.cpu_placement import engine_cores_kept_free
+from draftsmith.run_config import RunConfig
 from draftsmith.server import ServerSpec, managed_server
 
 
@@ -49,7 +50,7 @@ def main() -> None:
 
     rates: dict[str, list[float]] = {"floating": [], "placed": []}
     # cpu_device=False: the modes are switched here, not by managed_server.
-    with managed_server(ServerSpec.from_config(config | {"device": "none"})) as endpoint:
+    with managed_server(ServerSpec.from_config(RunConfig.from_dict(config | {"device": "none"}))) as endpoint:
         guard = next(p for p in psutil.Process().children() if "draftsmith.guard" in p.cmdline())
         asyncio.run(plain_load(endpoint, questions[:32], generation))  # warm-up
         for _ in range(args.repeats):

@@ -27,6 +27,7 @@ from results_file import write_result
 from snakemake.utils import validate
 
 from draftsmith.generate import RecordWriter, answer_questions, generation_stage
+from draftsmith.run_config import RunConfig
 from draftsmith.server import ServerSpec, managed_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,10 +76,13 @@ def main() -> None:
     config = demo_config()
     generation = config["generation"] | {"concurrency": args.concurrency, "sampling": {"temperature": 0.0}}
     questions = demo_questions(args.questions)
-    stage = generation_stage(config | {"generation": generation})
+    stage = generation_stage(RunConfig.from_dict(config | {"generation": generation}))
 
     rates: dict[str, list[float]] = {"stage": [], "plain": []}
-    with managed_server(ServerSpec.from_config(config)) as endpoint, tempfile.TemporaryDirectory() as scratch:
+    with (
+        managed_server(ServerSpec.from_config(RunConfig.from_dict(config))) as endpoint,
+        tempfile.TemporaryDirectory() as scratch,
+    ):
         asyncio.run(plain_load(endpoint, questions[:32], generation))  # warm-up
         # The stage imports speculators while its server loads; here too, not in the timing.
         import speculators.cli.regenerate_responses  # noqa: F401

@@ -32,6 +32,7 @@ from snakemake.utils import validate
 from draftsmith import questions
 from draftsmith.demo_model import build_demo_model
 from draftsmith.preflight import default_install_cache
+from draftsmith.run_config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOW_FILES = ("Snakefile", "workflow", "config", "profiles", "envs")
@@ -105,7 +106,7 @@ def main() -> None:
     config = bench_config(model)
     build_demo_model(model, train_seconds=0, max_steps=config["target"]["demo_train_steps"], seed=0, eval_per_task=0)
     validate(config, str(ROOT / "workflow/schemas/config.schema.yaml"))
-    questions.run(config, args.workdir / "questions")  # the same files the workflow's stage writes
+    questions.run(RunConfig.from_dict(config), args.workdir / "questions")  # the same files the workflow's stage writes
     # As for a user who has run the workflow before on this install: the preflight's install
     # checks are cached (draftsmith/preflight.py), so every repetition finds them so.
     checks = args.workdir / "install_checks"

@@ -22,6 +22,7 @@ from results_file import write_result
 from snakemake.utils import validate
 
 from draftsmith import extract
+from draftsmith.run_config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,7 +77,7 @@ def main() -> None:
     present = staged(staging)
     time.sleep(2)  # the server dies with its parent (PR_SET_PDEATHSIG)
 
-    result = extract.run(settings, dataset, 0, 1, staging, output)
+    result = extract.run(RunConfig.from_dict(settings), dataset, 0, 1, staging, output)
     requested = len(result.requested)
     missing = rows - present
     report = {

@@ -14,6 +14,7 @@ from conftest import heavy_processes_after
 from snakemake.utils import validate
 
 from draftsmith import questions
+from draftsmith.run_config import RunConfig
 
 RUN = [sys.executable, "-m", "snakemake", "--cores", "all", "--resources", "gpu=8"]
 
@@ -66,7 +67,7 @@ def uninterrupted_question_ids(workdir: Path, scratch: Path) -> list[str]:
     config = yaml.safe_load((workdir / "config/config.yaml").read_text())
     validate(config, str(workdir / "workflow/schemas/config.schema.yaml"))
     config["questions"]["source"] = str(workdir / config["questions"]["source"])
-    questions.run(config, scratch / "questions")
+    questions.run(RunConfig.from_dict(config), scratch / "questions")
     return sorted(
         json.loads(line)["id"]
         for p in (scratch / "questions").glob("shard_*.jsonl")

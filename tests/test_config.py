@@ -13,6 +13,7 @@ from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
 from draftsmith.config_check import config_problem, cross_field_problems
+from draftsmith.run_config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = str(ROOT / "workflow" / "schemas" / "config.schema.yaml")
@@ -130,9 +131,9 @@ def test_snakemake_reports_a_bad_config_in_one_line_without_the_schema(change, e
 def test_settings_that_cannot_work_together_are_named(change, problem):
     config = copy.deepcopy(load("config.yaml"))
     validate(config, SCHEMA)  # fills in the defaults, as the Snakefile does first
-    assert cross_field_problems(config) == []
+    assert cross_field_problems(RunConfig.from_dict(config)) == []
     change(config)
-    (found,) = cross_field_problems(config)
+    (found,) = cross_field_problems(RunConfig.from_dict(config))
     assert problem in found and found.startswith("config ") and "\n" not in found
 
 

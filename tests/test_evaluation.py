@@ -24,7 +24,8 @@ from draftsmith.evaluate import (
 from draftsmith.evaluation_report import tables_html
 from draftsmith.evaluation_summary import per_position, run, summarize
 from draftsmith.records import Measurement
-from draftsmith.settings import concurrencies, draft_lengths, evaluation_samplings, tracked_settings
+from draftsmith.run_config import RunConfig
+from draftsmith.settings import tracked_settings
 
 SCHEMA = str(ROOT / "workflow/schemas/config.schema.yaml")
 
@@ -114,8 +115,10 @@ def job(k, seconds_by_concurrency: dict, histogram=None, untrained=False) -> Mea
     return Measurement.from_json(json.dumps(record | {"server_counters": {}}))
 
 
-def settings(ks, concurrency, untrained=False) -> dict:
-    return {"evaluation": {"num_speculative_tokens": ks, "concurrency": concurrency, "compare_untrained": untrained}}
+def settings(ks, concurrency, untrained=False) -> RunConfig:
+    return RunConfig.from_dict(
+        {"evaluation": {"num_speculative_tokens": ks, "concurrency": concurrency, "compare_untrained": untrained}}
+    )
 
 
 def test_the_recommendation_is_the_fastest_draft_length_at_each_concurrency(tmp_path):
@@ -252,7 +255,7 @@ def test_sets_read_prompt_fields_categories_and_limits(tmp_path):
         }
     }
     output = tmp_path / "prompts.jsonl"
-    sizes = evaluation_sets.run(config, heldout, output)
+    sizes = evaluation_sets.run(RunConfig.from_dict(config), heldout, output)
     prompts = evaluation_sets.read_prompts(output)
     assert {name: sum(c.values()) for name, c in sizes.items()} == {"heldout": 1, "gsm8k": 3, "mt_bench": 2}
     assert [p["category"] for p in prompts if p["set"] == "mt_bench"] == ["writing", "math"]
@@ -265,7 +268,7 @@ def test_a_set_with_no_usable_prompt_is_named(tmp_path):
     empty = write_jsonl(tmp_path / "bad.jsonl", [{"text": "no prompt here"}])
     config = {"evaluation": {"limit": None, "sets": {"code": {"source": empty}}}}
     with pytest.raises(evaluation_sets.EvaluationSetError, match="evaluation.sets.code .* holds no usable prompt"):
-        evaluation_sets.run(config, tmp_path / "heldout.jsonl", tmp_path / "out.jsonl")
+        evaluation_sets.run(RunConfig.from_dict(config), tmp_path / "heldout.jsonl", tmp_path / "out.jsonl")
     assert heldout and not (tmp_path / "out.jsonl").exists()
 
 
@@ -277,11 +280,13 @@ def demo() -> dict:
 
 def test_the_sweep_settings_accept_one_value_or_a_list():
     config = demo()
-    assert draft_lengths(config) == [3, 1] and concurrencies(config) == [8, 4]
-    assert evaluation_samplings(config) == [{"temperature": 0.0}, {"temperature": 0.7, "top_p": 1.0, "seed": 0}]
+    run = RunConfig.from_dict(config)
+    assert run.evaluation.draft_lengths == [3, 1] and run.evaluation.concurrencies == [8, 4]
+    assert run.evaluation_samplings == [{"temperature": 0.0}, {"temperature": 0.7, "top_p": 1.0, "seed": 0}]
     config["evaluation"].update(num_speculative_tokens=4, concurrency=2, sampled=False)
-    assert draft_lengths(config) == [4] and concurrencies(config) == [2]
-    assert evaluation_samplings(config) == [{"temperature": 0.0}]
+    run = RunConfig.from_dict(config)
+    assert run.evaluation.draft_lengths == [4] and run.evaluation.concurrencies == [2]
+    assert run.evaluation_samplings == [{"temperature": 0.0}]
 
 
 def test_a_draft_length_is_not_a_setting_of_the_measurement_jobs():

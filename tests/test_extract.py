@@ -32,6 +32,7 @@ from draftsmith.extract import ExtractionError, check_settings, serving_dtype, s
 from draftsmith.layers import resolve_layers
 from draftsmith.layout import hidden_state_file
 from draftsmith.records import ShardManifest
+from draftsmith.run_config import RunConfig
 from draftsmith.settings import item_settings
 from draftsmith.shard_gate import check_sample
 from draftsmith.staging import open_staging
@@ -195,7 +196,9 @@ def assert_parity(model_path: Path, output: Path) -> tuple[float, float]:
 def extracted_tp1(tiny_model: Path, dataset_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     work = tmp_path_factory.mktemp("tp1")
     started = time.monotonic()
-    result = extract.run(settings_for(tiny_model), dataset_dir, 0, 1, work / "staging", work / "out")
+    result = extract.run(
+        RunConfig.from_dict(settings_for(tiny_model)), dataset_dir, 0, 1, work / "staging", work / "out"
+    )
     print(f"TP=1 extraction took {time.monotonic() - started:.0f}s")
     return result, work / "out"
 
@@ -227,7 +230,7 @@ def test_resume_requests_only_missing_rows(
     corrupt = hidden_state_file(staging, kept[-1])
     corrupt.write_bytes(corrupt.read_bytes()[:-64])
 
-    result = extract.run(settings, dataset_dir, 0, 1, staging, tmp_path / "out")
+    result = extract.run(RunConfig.from_dict(settings), dataset_dir, 0, 1, staging, tmp_path / "out")
 
     assert result.skipped == len(kept) - 1
     assert result.requested == sorted([row for row in rows if row not in kept] + [kept[-1]])
@@ -254,7 +257,7 @@ def test_interrupted_publish_is_recovered_without_server(
         hidden_state_file(staging, row).rename(hidden_state_file(extract.publishing_dir(output), row))
     # A server start would fail (an operational flag: the staged files stay valid).
     settings["server"]["extra_args"] = [*settings["server"]["extra_args"], "--max-num-seqs", "x"]
-    result = extract.run(settings, dataset_dir, 0, 1, staging, output)
+    result = extract.run(RunConfig.from_dict(settings), dataset_dir, 0, 1, staging, output)
     assert result.requested == [] and result.skipped == len(tiny_rows())
     assert len(list(output.glob("hs_*"))) == len(tiny_rows())
     assert not extract.publishing_dir(output).exists()
@@ -312,11 +315,11 @@ def test_settings_fail_fast(tiny_model: Path, dataset_dir: Path) -> None:
     settings = settings_for(tiny_model, tensor_parallel_size=2)
     del settings["server"]["env"]["VLLM_CPU_OMP_THREADS_BIND"]
     with pytest.raises(ExtractionError, match="VLLM_CPU_OMP_THREADS_BIND"):
-        check_settings(settings, rows)
+        check_settings(RunConfig.from_dict(settings), rows)
     settings = settings_for(tiny_model)
     settings["server"]["max_model_len"] = 40
     with pytest.raises(ExtractionError, match="row 3 has 40 tokens but server.max_model_len is 40"):
-        check_settings(settings, rows)
+        check_settings(RunConfig.from_dict(settings), rows)
 
 
 @pytest.mark.vllm

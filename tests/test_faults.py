@@ -13,6 +13,7 @@ from conftest import heavy_processes_after, server_settings
 from test_generate import GENERATION, assert_complete_and_well_formed, write_questions
 
 from draftsmith import generate
+from draftsmith.run_config import RunConfig
 
 pytestmark = pytest.mark.vllm
 
@@ -64,7 +65,9 @@ def test_server_death_mid_stage_fails_within_seconds_and_a_rerun_resumes(demo_ta
     assert heavy_processes_after(20) == []
 
     answered_before = len(generate.load_records(records))
-    generate.run(settings, tmp_path / "q.jsonl", tmp_path / "staging", tmp_path / "out.jsonl", None)
+    generate.run(
+        RunConfig.from_dict(settings), tmp_path / "q.jsonl", tmp_path / "staging", tmp_path / "out.jsonl", None
+    )
     summary = json.loads((tmp_path / "staging" / "summary.json").read_text())
     assert summary["asked_this_run"] == 40 - answered_before
     assert_complete_and_well_formed(tmp_path / "out.jsonl", questions)

@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 from draftsmith import generate
 from draftsmith.demo_language import question_rows
 from draftsmith.errors import DraftsmithError
+from draftsmith.run_config import RunConfig
 from draftsmith.settings import item_settings
 from draftsmith.staging import open_staging
 
@@ -47,7 +48,9 @@ def assert_complete_and_well_formed(output, questions):
 def test_answers_keep_think_tags_and_mask_only_the_answer(demo_target, tmp_path):
     questions = write_questions(tmp_path / "q.jsonl", 6)
     settings = server_settings(demo_target) | {"generation": GENERATION}
-    generate.run(settings, tmp_path / "q.jsonl", tmp_path / "staging", tmp_path / "out.jsonl", None)
+    generate.run(
+        RunConfig.from_dict(settings), tmp_path / "q.jsonl", tmp_path / "staging", tmp_path / "out.jsonl", None
+    )
 
     tokenizer = AutoTokenizer.from_pretrained(demo_target)
     think_open, think_close = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
@@ -78,7 +81,9 @@ def test_failures_over_the_budget_fail_the_stage_and_publish_nothing(tmp_path):
         "generation": GENERATION | {"endpoint": dead, "max_retries": 0, "max_error_fraction": 0.5}
     }
     with pytest.raises(generate.GenerationError, match="3 of 3 questions failed"):
-        generate.run(settings, tmp_path / "q.jsonl", tmp_path / "staging", tmp_path / "out.jsonl", None)
+        generate.run(
+            RunConfig.from_dict(settings), tmp_path / "q.jsonl", tmp_path / "staging", tmp_path / "out.jsonl", None
+        )
     assert not (tmp_path / "out.jsonl").exists()
 
 
@@ -93,21 +98,23 @@ def test_gpu_slot_smaller_than_tp_is_refused_before_any_work(tmp_path):
     settings = server_settings(tmp_path, tensor_parallel_size=8) | {"device": "cuda", "gpu_slot": 8}
     settings["generation"] = GENERATION
     with pytest.raises(DraftsmithError, match="granted 4 GPU.*--resources gpu=8"):
-        generate.run(settings, tmp_path / "absent.jsonl", tmp_path / "s", tmp_path / "o", granted_gpus=4)
+        generate.run(
+            RunConfig.from_dict(settings), tmp_path / "absent.jsonl", tmp_path / "s", tmp_path / "o", granted_gpus=4
+        )
 
 
 def test_staged_answers_are_dropped_when_a_generation_setting_changes(tmp_path):
     staging = tmp_path / "staging"
     settings = server_settings(tmp_path) | {"generation": GENERATION}
-    generate.generation_stage(settings).begin(None, staging)
+    generate.generation_stage(RunConfig.from_dict(settings)).begin(None, staging)
     (staging / generate.RECORDS).write_text('{"id": "a", "input_ids": [1], "loss_mask": [1]}\n')
 
     same = settings | {"generation": GENERATION | {"concurrency": 99, "max_retries": 7}}
-    generate.generation_stage(same).begin(None, staging)
+    generate.generation_stage(RunConfig.from_dict(same)).begin(None, staging)
     assert list(generate.load_records(staging / generate.RECORDS)) == ["a"]
 
     changed = settings | {"generation": GENERATION | {"max_tokens": 12}}
-    generate.generation_stage(changed).begin(None, staging)
+    generate.generation_stage(RunConfig.from_dict(changed)).begin(None, staging)
     assert generate.load_records(staging / generate.RECORDS) == {}
 
 
@@ -136,7 +143,13 @@ def test_resharded_questions_take_their_answers_from_the_old_shards(tmp_path, ca
                 for q in questions
             )
         )
-    generate.run(settings, tmp_path / "q.jsonl", tmp_path / "staging" / "shard_0", tmp_path / "out.jsonl", None)
+    generate.run(
+        RunConfig.from_dict(settings),
+        tmp_path / "q.jsonl",
+        tmp_path / "staging" / "shard_0",
+        tmp_path / "out.jsonl",
+        None,
+    )
     assert "reused 4 answers staged by other shards" in capfd.readouterr().err
     published = read_jsonl(tmp_path / "out.jsonl")
     assert [r["id"] for r in published] == [q["id"] for q in questions]
@@ -154,7 +167,9 @@ def test_prompts_that_fill_the_context_fail_before_the_server_starts(demo_target
     settings = server_settings(demo_target) | {"generation": GENERATION}
     started = time.monotonic()
     with pytest.raises(generate.GenerationError) as caught:
-        generate.run(settings, tmp_path / "q.jsonl", tmp_path / "staging", tmp_path / "out.jsonl", None)
+        generate.run(
+            RunConfig.from_dict(settings), tmp_path / "q.jsonl", tmp_path / "staging", tmp_path / "out.jsonl", None
+        )
     assert str(caught.value).startswith(
         "1 of 4 questions have a prompt that fills server.max_model_len=512 on its own (longest "
     )
@@ -168,7 +183,9 @@ def test_an_overlong_prompt_within_the_error_budget_is_skipped_and_counted(demo_
     with (tmp_path / "q.jsonl").open("a") as handle:
         handle.write(json.dumps(long_question(600)) + "\n")
     settings = server_settings(demo_target) | {"generation": GENERATION | {"max_error_fraction": 0.2}}
-    generate.run(settings, tmp_path / "q.jsonl", tmp_path / "staging", tmp_path / "out.jsonl", None)
+    generate.run(
+        RunConfig.from_dict(settings), tmp_path / "q.jsonl", tmp_path / "staging", tmp_path / "out.jsonl", None
+    )
     assert_complete_and_well_formed(tmp_path / "out.jsonl", questions)
     summary = json.loads((tmp_path / "staging" / "summary.json").read_text())
     assert summary["failed"] == 1 and summary["asked_this_run"] == 5

@@ -8,6 +8,8 @@ import yaml
 
 from draftsmith.gpu_memory import GIB, kv_bytes_per_token, split_problems, trainer_bytes
 from draftsmith.preflight import check_capture_memory
+from draftsmith.run_config import RunConfig
+from draftsmith.target import TargetShape
 
 KIMI_TEXT = {
     "num_hidden_layers": 61,
@@ -35,35 +37,52 @@ def test_the_trainer_estimate_is_the_h200_measurement_at_kimi_width():
 
 
 def test_mla_keeps_its_latent_on_every_rank_other_attention_splits():
-    assert kv_bytes_per_token(KIMI_TEXT, 8) == (512 + 64) * 61 * 2
+    assert kv_bytes_per_token(TargetShape.from_dict(KIMI_TEXT), 8) == (512 + 64) * 61 * 2
     llama = {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8}
-    assert kv_bytes_per_token(llama, 8) == 2 * 8 * 128 * 32 * 2 / 8
+    assert kv_bytes_per_token(TargetShape.from_dict(llama), 8) == 2 * 8 * 128 * 32 * 2 / 8
 
 
 def test_kimi_fits_with_a_larger_server_share_and_8k_tokens_per_step():
-    assert split_problems(kimi(0.65, 8192), KIMI_TEXT, H200, KIMI_INT4_WEIGHTS) == []
+    assert (
+        split_problems(RunConfig.from_dict(kimi(0.65, 8192)), TargetShape.from_dict(KIMI_TEXT), H200, KIMI_INT4_WEIGHTS)
+        == []
+    )
 
 
 def test_a_server_share_below_the_weights_names_the_fraction_that_holds_them():
-    [problem] = split_problems(kimi(0.5, 8192), KIMI_TEXT, H200, KIMI_INT4_WEIGHTS)
+    [problem] = split_problems(
+        RunConfig.from_dict(kimi(0.5, 8192)), TargetShape.from_dict(KIMI_TEXT), H200, KIMI_INT4_WEIGHTS
+    )
     fraction = float(re.search(r"capture_memory_fraction 0.5 gives it 70 GiB; set it to ([0-9.]+)", problem)[1])
-    assert split_problems(kimi(fraction, 8192), KIMI_TEXT, H200, KIMI_INT4_WEIGHTS) == []
+    assert (
+        split_problems(
+            RunConfig.from_dict(kimi(fraction, 8192)), TargetShape.from_dict(KIMI_TEXT), H200, KIMI_INT4_WEIGHTS
+        )
+        == []
+    )
 
 
 def test_the_shipped_32k_tokens_per_step_do_not_fit_beside_the_server_and_the_line_says_what_does():
-    [problem] = split_problems(kimi(0.65, 32768), KIMI_TEXT, H200, KIMI_INT4_WEIGHTS)
+    [problem] = split_problems(
+        RunConfig.from_dict(kimi(0.65, 32768)), TargetShape.from_dict(KIMI_TEXT), H200, KIMI_INT4_WEIGHTS
+    )
     assert "do not fit one 140 GiB GPU together" in problem and "\n" not in problem
     fix = re.search(
         r"lower training.total_seq_len to (\d+) and set hidden_states.capture_memory_fraction to ([0-9.]+)", problem
     )
     tokens, fraction = int(fix[1]), float(fix[2])
     assert 0 < tokens < 32768
-    assert split_problems(kimi(fraction, tokens), KIMI_TEXT, H200, KIMI_INT4_WEIGHTS) == []
+    assert (
+        split_problems(
+            RunConfig.from_dict(kimi(fraction, tokens)), TargetShape.from_dict(KIMI_TEXT), H200, KIMI_INT4_WEIGHTS
+        )
+        == []
+    )
 
 
 def test_offline_runs_and_cpu_runs_are_not_checked():
     offline = kimi(0.1, 32768) | {
         "hidden_states": {"disk_budget": "all", "stored_dtype": "served", "capture_memory_fraction": 0.1}
     }
-    assert check_capture_memory(offline) == []
-    assert check_capture_memory(kimi(0.1, 32768) | {"device": "cpu"}) == []
+    assert check_capture_memory(RunConfig.from_dict(offline)) == []
+    assert check_capture_memory(RunConfig.from_dict(kimi(0.1, 32768) | {"device": "cpu"})) == []

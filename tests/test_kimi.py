@@ -9,9 +9,10 @@ import pytest
 import yaml
 from snakemake.utils import validate
 
-from draftsmith import dataset, extract, generate, layout, preflight, train
+from draftsmith import dataset, generate, layout, preflight, train
 from draftsmith.layers import resolve_layers
 from draftsmith.plan import plan_for
+from draftsmith.run_config import RunConfig
 from draftsmith.server import ServerSpec
 from draftsmith.settings import stage_view
 from draftsmith.target import read_target_config
@@ -36,14 +37,16 @@ def test_the_nested_text_config_is_what_every_reader_sees(kimi, tmp_path):
     text = read_target_config(kimi["target"]["model"])
     assert (text["num_hidden_layers"], text["hidden_size"], text["vocab_size"]) == (61, 7168, 163840)
     assert resolve_layers(kimi["layers"], text["num_hidden_layers"]).vllm_ids == [3, 31, 59, 61]
-    plan = plan_for(kimi, tmp_path / "results")
+    plan = plan_for(RunConfig.from_dict(kimi), tmp_path / "results")
     assert plan["hidden_size"] == 7168 and plan["stored_layers"] == 4
-    assert preflight.check_target(kimi) == []  # layers, TP 8 | 64 heads, vocab, MLA geometry
+    assert preflight.check_target(RunConfig.from_dict(kimi)) == []  # layers, TP 8 | 64 heads, vocab, MLA geometry
 
 
 def test_a_draft_vocabulary_above_kimis_is_refused(kimi):
     kimi["training"]["draft_vocab_size"] = 200_000
-    assert any("exceeds the target's vocabulary of 163840" in p for p in preflight.check_target(kimi))
+    assert any(
+        "exceeds the target's vocabulary of 163840" in p for p in preflight.check_target(RunConfig.from_dict(kimi))
+    )
 
 
 def test_trust_remote_code_reaches_every_consumer(kimi, tmp_path, monkeypatch):
@@ -60,21 +63,23 @@ def test_trust_remote_code_reaches_every_consumer(kimi, tmp_path, monkeypatch):
     # The generation stage's context check loads the tokenizer.
     monkeypatch.setattr(generate.AutoTokenizer, "from_pretrained", loader("generate tokenizer"))
     with pytest.raises(RuntimeError, match="stop here"):
-        generate.overlong_prompts(stage_view(kimi, "generate"), [{"id": "q", "messages": []}])
-    # Extraction reads the config through transformers (training reads its JSON: target.py).
-    monkeypatch.setattr(extract.AutoConfig, "from_pretrained", loader("extract config"))
-    with pytest.raises(RuntimeError, match="stop here"):
-        extract.target_shape(stage_view(kimi, "extract"))
-    assert seen == {"generate tokenizer": True, "extract config": True}
+        generate.overlong_prompts(RunConfig.from_dict(stage_view(kimi, "generate")), [{"id": "q", "messages": []}])
+    assert seen == {"generate tokenizer": True}
     # prepare-data, speculators train and every vLLM server get the flag.
-    prepare = dataset.prepare_data_command(stage_view(kimi, "dataset"), tmp_path / "m.jsonl", tmp_path / "o")
+    prepare = dataset.prepare_data_command(
+        RunConfig.from_dict(stage_view(kimi, "dataset")), tmp_path / "m.jsonl", tmp_path / "o"
+    )
     assert "--trust-remote-code" in prepare
     layers = resolve_layers(kimi["layers"], 61)
     paths = layout.TrainPaths(tmp_path / "d", tmp_path / "h", tmp_path / "s", tmp_path / "o")
     for stage in ("train", "untrained_drafter"):
-        assert "--trust-remote-code" in train.speculators_args(stage_view(kimi, stage), layers, paths)
+        assert "--trust-remote-code" in train.speculators_args(
+            RunConfig.from_dict(stage_view(kimi, stage)), layers, paths
+        )
     for stage in ("generate", "extract", "evaluate_baseline", "evaluate_drafter"):
-        assert "--trust-remote-code" in ServerSpec.from_config(stage_view(kimi, stage)).command(8000)
+        assert "--trust-remote-code" in ServerSpec.from_config(RunConfig.from_dict(stage_view(kimi, stage))).command(
+            8000
+        )
 
 
 def test_the_kimi_fixture_is_the_shape_of_the_real_config():

@@ -14,6 +14,7 @@ from snakemake.utils import validate
 from draftsmith import plan as plan_module
 from draftsmith.disk_budget import parse_budget, row_bytes
 from draftsmith.plan import format_plan, plan_for
+from draftsmith.run_config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 KIMI_TEXT_CONFIG = {"num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 163840, "num_attention_heads": 64}
@@ -32,7 +33,7 @@ def kimi_settings(tmp_path, wrapped=False):
 
 
 def test_kimi_plan_bytes_are_tokens_times_layers_times_hidden_times_two(tmp_path):
-    plan = plan_for(kimi_settings(tmp_path, wrapped=True), tmp_path / "results")
+    plan = plan_for(RunConfig.from_dict(kimi_settings(tmp_path, wrapped=True)), tmp_path / "results")
     assert plan["questions_train"] == 10000 - 200
     assert plan["stored_layers"] == 4 and plan["hidden_size"] == 7168
     assert plan["hidden_state_bytes"] == plan["training_tokens"] * 4 * 7168 * 2
@@ -49,7 +50,7 @@ def test_measured_tokens_replace_the_upper_bound(tmp_path):
     (results / "completions").mkdir(parents=True)
     rows = [{"id": f"q{i}", "prompt_tokens": 100, "completion_tokens": 400, "finish_reason": "stop"} for i in range(10)]
     (results / "completions" / "shard_0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    plan = plan_for(settings, results)
+    plan = plan_for(RunConfig.from_dict(settings), results)
     assert plan["tokens_basis"] == "measured"
     assert plan["training_tokens"] == 500 * plan["questions_train"]
     assert plan["done"]["generation_shards_done"] == 1
@@ -103,7 +104,7 @@ def test_kimi_at_600k_questions_plans_offline_a_budget_that_fits_and_online(tmp_
     settings["questions"]["limit"] = 600_000
     free = 20 * 2**40  # 20 TiB free under results_dir
     monkeypatch.setattr(plan_module.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(free, 0, free))
-    plan = plan_for(settings, tmp_path / "results")
+    plan = plan_for(RunConfig.from_dict(settings), tmp_path / "results")
     modes = modes_by_name(plan)
     rows, epochs = plan["questions_train"], settings["training"]["epochs"]
     assert modes["offline"]["stored_bytes"] > 100 * 10**12  # hundreds of TB
@@ -126,7 +127,7 @@ def test_a_configured_budget_is_planned_beside_offline_and_online(tmp_path, stor
     settings = kimi_settings(tmp_path)
     each = row_bytes(8192, 4, 7168, fp8=stored_dtype == "fp8")
     settings["hidden_states"] = {"disk_budget": 1000 * each, "stored_dtype": stored_dtype}
-    modes = modes_by_name(plan_for(settings, tmp_path / "results"))
+    modes = modes_by_name(plan_for(RunConfig.from_dict(settings), tmp_path / "results"))
     assert modes["budget (configured)"]["rows_stored"] == 1000
     assert modes["budget (configured)"]["stored_bytes"] == 1000 * each
     assert list(modes)[0] == "offline" and list(modes)[-1] == "online"
@@ -134,9 +135,9 @@ def test_a_configured_budget_is_planned_beside_offline_and_online(tmp_path, stor
 
 def test_fp8_storage_plans_about_half_the_bytes_with_its_scales(tmp_path):
     settings = kimi_settings(tmp_path)
-    served = plan_for(settings, tmp_path / "results")
+    served = plan_for(RunConfig.from_dict(settings), tmp_path / "results")
     settings["hidden_states"] = {"disk_budget": "all", "stored_dtype": "fp8"}
-    fp8 = plan_for(settings, tmp_path / "results")
+    fp8 = plan_for(RunConfig.from_dict(settings), tmp_path / "results")
     tokens = fp8["training_tokens"]
     assert fp8["hidden_state_bytes"] == tokens * (4 * 7168 + 4) == served["hidden_state_bytes"] // 2 + tokens * 4
     assert "x 1 B (fp8) + 4 B scale" in format_plan(fp8)

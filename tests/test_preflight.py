@@ -15,6 +15,7 @@ import yaml
 from snakemake.utils import validate
 
 from draftsmith import evaluation_sets, layout, preflight
+from draftsmith.run_config import EvaluationSetSettings, RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,14 +37,14 @@ def target(tmp_path):
 
 
 def test_a_working_install_and_config_pass(target, tmp_path):
-    assert preflight.run_checks(demo_settings(target), tmp_path / "results") == []
+    assert preflight.run_checks(RunConfig.from_dict(demo_settings(target)), tmp_path / "results") == []
 
 
 def test_missing_speculators_function_is_named(monkeypatch, target, tmp_path):
     import speculators.data_generation.vllm_client as client
 
     monkeypatch.delattr(client, "generate_hidden_states_async")
-    problems = preflight.run_checks(demo_settings(target), tmp_path / "results")
+    problems = preflight.run_checks(RunConfig.from_dict(demo_settings(target)), tmp_path / "results")
     assert problems == [
         "speculators lacks speculators.data_generation.vllm_client.generate_hidden_states_async "
         "(AttributeError); install the pinned release: pip install -e '.[cpu]' (or '.[gpu]')"
@@ -54,7 +55,7 @@ def test_missing_vllm_connector_class_is_named(monkeypatch, target, tmp_path):
     from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as module
 
     monkeypatch.delattr(module, "ExampleHiddenStatesConnector")
-    problems = preflight.run_checks(demo_settings(target), tmp_path / "results")
+    problems = preflight.run_checks(RunConfig.from_dict(demo_settings(target)), tmp_path / "results")
     # The class and each of its members the connector overrides or reads, each named.
     assert len(problems) == 4 and all("ExampleHiddenStatesConnector" in problem for problem in problems)
 
@@ -64,7 +65,7 @@ def test_a_missing_patched_vllm_class_is_named(monkeypatch, target, tmp_path):
     from vllm.model_executor.layers.rotary_embedding import base
 
     monkeypatch.delattr(base, "RotaryEmbedding")
-    problems = preflight.run_checks(demo_settings(target), tmp_path / "results")
+    problems = preflight.run_checks(RunConfig.from_dict(demo_settings(target)), tmp_path / "results")
     assert len(problems) == 1 and "base.RotaryEmbedding (AttributeError)" in problems[0]
 
 
@@ -78,7 +79,7 @@ def test_a_missing_patched_vllm_class_is_named(monkeypatch, target, tmp_path):
 )
 def test_vllm_plugins_that_leave_out_a_cpu_fix_are_named(plugins, left_out, monkeypatch, target, tmp_path):
     monkeypatch.setenv("VLLM_PLUGINS", plugins)
-    problems = preflight.run_checks(demo_settings(target), tmp_path / "results")
+    problems = preflight.run_checks(RunConfig.from_dict(demo_settings(target)), tmp_path / "results")
     assert problems == [
         f"VLLM_PLUGINS={plugins} leaves out {name}; add it to the list or unset VLLM_PLUGINS" for name in left_out
     ]
@@ -133,7 +134,7 @@ def test_missing_server_option_is_named(monkeypatch):
 def test_config_problems_are_one_clear_line(change, message, target, tmp_path):
     settings = demo_settings(target)
     change(settings)
-    problems = preflight.run_checks(settings, tmp_path / "results")
+    problems = preflight.run_checks(RunConfig.from_dict(settings), tmp_path / "results")
     assert len(problems) == 1 and message in problems[0], problems
 
 
@@ -142,7 +143,7 @@ def test_an_unreadable_hub_set_is_named_before_anything_starts(target, tmp_path)
     set and the fix, from the preflight; a local copy in the hub's layout is read instead."""
     settings = demo_settings(target)
     settings["evaluation"]["sets"]["bench"] = {"source": "nobody/no-such-set", "split": "test", "subset": None}
-    problems = preflight.run_checks(settings, tmp_path / "results")
+    problems = preflight.run_checks(RunConfig.from_dict(settings), tmp_path / "results")
     assert len(problems) == 1 and "\n" not in problems[0], problems
     assert problems[0].startswith(
         "evaluation.sets.bench.source: cannot read nobody/no-such-set from the Hugging Face hub"
@@ -152,18 +153,18 @@ def test_an_unreadable_hub_set_is_named_before_anything_starts(target, tmp_path)
     )
     # The same line from the job, had the preflight been skipped.
     with pytest.raises(evaluation_sets.EvaluationSetError) as caught:
-        evaluation_sets.set_prompts("bench", settings["evaluation"]["sets"]["bench"])
+        evaluation_sets.set_prompts("bench", EvaluationSetSettings.from_dict(settings["evaluation"]["sets"]["bench"]))
     assert str(caught.value) == problems[0].replace(".source: ", ": ", 1)
     copy = tmp_path / "no-such-set"
     (copy / "data").mkdir(parents=True)
     (copy / "data" / "test-00000-of-00001.jsonl").write_text(json.dumps({"prompt": "hi"}) + "\n")
     settings["evaluation"]["sets"]["bench"]["source"] = str(copy)
-    assert preflight.check_hub_sources(settings) == []
+    assert preflight.check_hub_sources(RunConfig.from_dict(settings)) == []
 
 
 def test_unwritable_results_directory_is_named(target):
     # /proc refuses new files even to root, where a chmod would not.
-    problems = preflight.run_checks(demo_settings(target), Path("/proc/draftsmith-results"))
+    problems = preflight.run_checks(RunConfig.from_dict(demo_settings(target)), Path("/proc/draftsmith-results"))
     assert any(p.startswith("cannot write to /proc (") and "set results_dir" in p for p in problems), problems
 
 
@@ -261,7 +262,7 @@ def test_gpu_slot_smaller_than_tp_times_dp_is_named(visible, slot, message, monk
     settings = demo_settings(target)
     settings.update(device="cuda", gpu_slot=slot)
     settings["server"].update(tensor_parallel_size=1, data_parallel_size=8)
-    assert preflight.check_gpus(settings) == [message]
+    assert preflight.check_gpus(RunConfig.from_dict(settings)) == [message]
 
 
 @pytest.mark.parametrize(
@@ -279,7 +280,7 @@ def test_a_local_question_path_that_does_not_exist_is_named(source, missing):
     """A path is never taken for a hub id: after a finished run, Snakemake would otherwise
     answer a mistyped path with "Nothing to be done"."""
     settings = {"questions": {"source": source}, "evaluation": {"sets": {"code": {"source": source}}}}
-    problems = preflight.check_local_inputs(settings)
+    problems = preflight.check_local_inputs(RunConfig.from_dict(settings))
     if missing:
         assert problems == [
             f"{key} {source} does not exist (a local path, not a hub id); fix the path in the config"
@@ -343,12 +344,11 @@ def test_the_flags_the_stages_pass_are_the_declared_ones(tmp_path):
     settings = demo_settings(tmp_path)
     paths = layout.TrainPaths(tmp_path / "d", tmp_path / "h", tmp_path / "s", tmp_path / "o")
     layers = resolve_layers(settings["layers"], 6)
-    argv = train.speculators_args(settings, layers, paths) + train.CPU_TRAINER_FLAGS
-    argv += train.speculators_args(settings, layers, paths, captures=True)  # past a disk budget
+    argv = train.speculators_args(RunConfig.from_dict(settings), layers, paths) + train.CPU_TRAINER_FLAGS
+    argv += train.speculators_args(RunConfig.from_dict(settings), layers, paths, captures=True)  # past a disk budget
     assert {a for a in argv if a.startswith("--")} <= set(preflight.TRAIN_FLAGS)
-    command = dataset.prepare_data_command(
-        settings | {"target": settings["target"] | {"trust_remote_code": True}}, tmp_path, tmp_path
-    )
+    trusted = settings | {"target": settings["target"] | {"trust_remote_code": True}}
+    command = dataset.prepare_data_command(RunConfig.from_dict(trusted), tmp_path, tmp_path)
     options = {a.removeprefix("--").removeprefix("no-").replace("-", "_") for a in command if a.startswith("--")}
     assert options <= set(preflight.PREPARE_DATA_PARAMETERS)
     spec = server.ServerSpec("m", max_model_len=8, trust_remote_code=True)
@@ -363,11 +363,11 @@ def test_hidden_states_past_the_free_disk_name_the_budget_that_fits(target, tmp_
     settings = demo_settings(target)
     free = 2 * 10**6  # 2 MB free: the demo's hidden states need more
     monkeypatch.setattr(plan.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(free, 0, free))
-    [problem] = preflight.check_disk(settings, tmp_path / "results")
+    [problem] = preflight.check_disk(RunConfig.from_dict(settings), tmp_path / "results")
     budget = re.search(r"set hidden_states.disk_budget: (\"[^\"]+\") \(training captures the other rows\)", problem)
     assert budget and "\n" not in problem, problem
     settings["hidden_states"]["disk_budget"] = yaml.safe_load(budget.group(1))
     validate(settings, str(ROOT / "workflow/schemas/config.schema.yaml"))
-    assert preflight.check_disk(settings, tmp_path / "results") == []
+    assert preflight.check_disk(RunConfig.from_dict(settings), tmp_path / "results") == []
     settings["hidden_states"]["disk_budget"] = 0
-    assert preflight.check_disk(settings, tmp_path / "results") == []
+    assert preflight.check_disk(RunConfig.from_dict(settings), tmp_path / "results") == []

@@ -7,6 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from draftsmith import questions as q
+from draftsmith.run_config import RunConfig
 
 
 def settings(source, **overrides):
@@ -20,7 +21,7 @@ def settings(source, **overrides):
         "seed": 0,
     }
     section.update(overrides)
-    return {"questions": section}
+    return RunConfig.from_dict({"questions": section})
 
 
 def write_jsonl(path, rows):

@@ -11,6 +11,7 @@ from fault_proxy import FaultProxy, question_key
 from test_generate import GENERATION, assert_complete_and_well_formed, write_questions
 
 from draftsmith import generate
+from draftsmith.run_config import RunConfig
 from draftsmith.server import ServerSpec, managed_server
 
 pytestmark = pytest.mark.vllm
@@ -20,7 +21,7 @@ PROXY_KEY_ENV = "DRAFTSMITH_FAULT_PROXY_KEY"
 @pytest.fixture(scope="module")
 def proxy(demo_target, tmp_path_factory):
     """One real vLLM server for the module, behind the proxy."""
-    spec = ServerSpec.from_config(server_settings(demo_target))
+    spec = ServerSpec.from_config(RunConfig.from_dict(server_settings(demo_target)))
     log = tmp_path_factory.mktemp("proxied") / "server.log"
     with managed_server(spec, log_path=log) as upstream, FaultProxy(upstream, "proxy-key") as proxy:
         yield proxy
@@ -42,7 +43,13 @@ def test_errors_hangs_and_dropped_connections_are_retried_to_a_complete_shard(pr
     # Every question's first attempt fails, one of three ways; the second goes through.
     proxy.reset(lambda key, attempt: kinds[zlib.crc32(key.encode()) % 3] if attempt == 1 else None)
 
-    tally = generate.run(settings_via_proxy, tmp_path / "q.jsonl", tmp_path / "staging", tmp_path / "out.jsonl", None)
+    tally = generate.run(
+        RunConfig.from_dict(settings_via_proxy),
+        tmp_path / "q.jsonl",
+        tmp_path / "staging",
+        tmp_path / "out.jsonl",
+        None,
+    )
 
     assert tally.ok == 18 and not tally.errors
     assert set(proxy.faults) == set(kinds) and sum(proxy.faults.values()) == 18
@@ -60,13 +67,13 @@ def test_persistent_failures_over_the_budget_fail_clearly_then_a_rerun_asks_only
     staging, output = tmp_path / "staging", tmp_path / "out.jsonl"
 
     with pytest.raises(generate.GenerationError, match=r"5 of 20 questions failed .*HTTP 500.*injected fault"):
-        generate.run(settings, tmp_path / "q.jsonl", staging, output, None)
+        generate.run(RunConfig.from_dict(settings), tmp_path / "q.jsonl", staging, output, None)
     assert not output.exists(), "a shard over its error budget must not be published"
     assert all(proxy.attempts[key] == 3 for key in doomed)  # 1 + max_retries, no more
     assert len(generate.load_records(staging / generate.RECORDS)) == 15
 
     proxy.reset(lambda key, attempt: None)  # the outage is over
-    generate.run(settings, tmp_path / "q.jsonl", staging, output, None)
+    generate.run(RunConfig.from_dict(settings), tmp_path / "q.jsonl", staging, output, None)
     assert sorted(proxy.attempts) == sorted(doomed)  # only the five missing were asked
     assert json.loads((staging / "summary.json").read_text())["asked_this_run"] == 5
     assert_complete_and_well_formed(output, questions)

@@ -9,6 +9,7 @@ import yaml
 from conftest import copy_workflow
 
 from draftsmith.dataset import prepare_data_command
+from draftsmith.run_config import RunConfig
 from draftsmith.server import ServerSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +45,7 @@ def test_commands_are_argument_lists_not_shell_strings():
         "target": {"model": NASTY, "trust_remote_code": False},
         "dataset": {"seq_length": 16, "min_trainable_tokens": 1},
     }
-    assert NASTY in prepare_data_command(settings, Path("m.jsonl"), Path("out"))
+    assert NASTY in prepare_data_command(RunConfig.from_dict(settings), Path("m.jsonl"), Path("out"))
 
 
 def test_remote_code_is_not_trusted_unless_the_config_says_so():
@@ -54,7 +55,7 @@ def test_remote_code_is_not_trusted_unless_the_config_says_so():
         "target": {"model": "m", "trust_remote_code": False},
         "dataset": {"seq_length": 16, "min_trainable_tokens": 1},
     }
-    assert "--trust-remote-code" not in prepare_data_command(settings, Path("m.jsonl"), Path("o"))
+    assert "--trust-remote-code" not in prepare_data_command(RunConfig.from_dict(settings), Path("m.jsonl"), Path("o"))
     schema = yaml.safe_load((ROOT / "workflow/schemas/config.schema.yaml").read_text())
     assert schema["properties"]["target"]["properties"]["trust_remote_code"]["default"] is False
 

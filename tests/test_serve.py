@@ -9,6 +9,7 @@ from test_serving import TINY_MLA
 
 from draftsmith import serve
 from draftsmith.layout import Layout
+from draftsmith.run_config import RunConfig
 from draftsmith.server import VLLM_SERVER_MODULE
 from draftsmith.serving import MLA_DISABLE_ENV
 
@@ -33,7 +34,7 @@ def test_an_mla_target_is_served_on_cpu_with_mla_disabled_through_the_module_ent
     results = finished_run(tmp_path, TINY_MLA)
     run_config = json.loads(results.run_config.read_text())
     spec = serve.speculative_config(results, num_speculative_tokens=1)
-    argv, env = serve.server_command(run_config, spec, "0.0.0.0", 8123, ["--max-num-seqs", "4"])
+    argv, env = serve.server_command(RunConfig.from_dict(run_config), spec, "0.0.0.0", 8123, ["--max-num-seqs", "4"])
     assert argv[1:3] == ["-m", VLLM_SERVER_MODULE]
     assert argv[argv.index("--host") + 1] == "0.0.0.0" and argv[argv.index("--port") + 1] == "8123"
     served = json.loads(argv[argv.index("--speculative-config") + 1])
@@ -47,7 +48,7 @@ def test_a_target_without_mla_keeps_its_attention(tmp_path):
     results = finished_run(tmp_path, {"num_hidden_layers": 6, "hidden_size": 128, "vocab_size": 230})
     run_config = json.loads(results.run_config.read_text())
     spec = serve.speculative_config(results, None)
-    argv, env = serve.server_command(run_config, spec, "127.0.0.1", 8000, [])
+    argv, env = serve.server_command(RunConfig.from_dict(run_config), spec, "127.0.0.1", 8000, [])
     assert MLA_DISABLE_ENV not in env
     assert json.loads(argv[argv.index("--speculative-config") + 1])["num_speculative_tokens"] == 3
 

@@ -12,6 +12,7 @@ import pytest
 from conftest import heavy_processes, heavy_processes_after, server_settings
 
 from draftsmith import server
+from draftsmith.run_config import RunConfig
 from draftsmith.server import ServerError, ServerSpec, managed_server
 
 pytestmark = pytest.mark.vllm
@@ -59,7 +60,7 @@ def test_serves_on_loopback_behind_its_key_keeps_engine_cores_free_and_leaves_no
     demo_target, tmp_path, monkeypatch
 ):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what Snakemake exports to every job
-    spec = ServerSpec.from_config(server_settings(demo_target))
+    spec = ServerSpec.from_config(RunConfig.from_dict(server_settings(demo_target)))
     log_path = tmp_path / "server.log"
     allowed = os.sched_getaffinity(0)
     if len(allowed) < 2:
@@ -90,7 +91,7 @@ def test_start_failure_fails_fast_with_the_log_tail(demo_target, tmp_path):
     config = json.loads((broken / "config.json").read_text())
     config["architectures"] = ["NoSuchArchitectureForCausalLM"]
     (broken / "config.json").write_text(json.dumps(config))
-    spec = ServerSpec.from_config(server_settings(broken))
+    spec = ServerSpec.from_config(RunConfig.from_dict(server_settings(broken)))
     with pytest.raises(ServerError) as failure:
         with managed_server(spec, tmp_path / "server.log"):
             pytest.fail("a broken model must not come up")
@@ -99,7 +100,7 @@ def test_start_failure_fails_fast_with_the_log_tail(demo_target, tmp_path):
 
 
 def test_load_timeout_stops_the_server(demo_target, tmp_path):
-    spec = ServerSpec.from_config(server_settings(demo_target, startup_timeout_s=3))
+    spec = ServerSpec.from_config(RunConfig.from_dict(server_settings(demo_target, startup_timeout_s=3)))
     before = set(heavy_processes())
     with pytest.raises(ServerError, match="not ready after 3s; raise server.startup_timeout_s"):
         with managed_server(spec, tmp_path / "server.log"):
@@ -114,7 +115,7 @@ def test_a_port_taken_by_another_process_is_named(demo_target, tmp_path, monkeyp
     port = squatter.getsockname()[1]
     # The race free_port() cannot exclude: someone binds the port before vLLM does.
     monkeypatch.setattr(server, "free_port", lambda: port)
-    spec = ServerSpec.from_config(server_settings(demo_target))
+    spec = ServerSpec.from_config(RunConfig.from_dict(server_settings(demo_target)))
     with squatter, pytest.raises(ServerError) as failure:
         with managed_server(spec, tmp_path / "server.log"):
             pytest.fail("vLLM cannot serve on a taken port")

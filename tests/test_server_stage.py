@@ -10,6 +10,7 @@ from speculators.data_generation.vllm_client import InvalidResponseError
 
 from draftsmith import server_stage
 from draftsmith.progress import Progress
+from draftsmith.run_config import EvaluationSettings, GenerationSettings
 from draftsmith.server_stage import RequestPolicy, ServerStage, StageError
 
 
@@ -107,7 +108,9 @@ def test_the_error_budget_names_the_first_failures_and_where_work_is_kept():
 
 
 def test_the_policy_comes_from_a_config_section():
-    section = {"concurrency": [8, 4], "request_timeout_s": 30, "max_retries": 1}
+    section = EvaluationSettings.from_dict({"concurrency": [8, 4], "request_timeout_s": 30, "max_retries": 1})
     assert RequestPolicy.from_section(section, concurrency=8) == RequestPolicy(8, 30, 1, 0.0)
-    generation = {"concurrency": 16, "request_timeout_s": 300, "max_retries": 3, "max_error_fraction": 0.02}
+    generation = GenerationSettings.from_dict(
+        {"concurrency": 16, "request_timeout_s": 300, "max_retries": 3, "max_error_fraction": 0.02}
+    )
     assert RequestPolicy.from_section(generation) == RequestPolicy(16, 300, 3, 0.02)

@@ -13,6 +13,7 @@ from conftest import copy_workflow
 from snakemake.utils import validate
 
 from draftsmith import settings
+from draftsmith.run_config import RunConfig
 from draftsmith.settings import (
     CONSUMERS,
     EVERYTHING,
@@ -177,7 +178,7 @@ def test_every_stage_that_sizes_the_stored_rows_sees_the_disk_budget(rule):
     if rule == "training_view":  # reads the shards' manifests, never the config
         assert "hidden_states" not in view
     else:
-        assert settings.limited_budget(view) == 10**6
+        assert RunConfig.from_dict(view).hidden_states.limited_budget == 10**6
 
 
 @pytest.mark.parametrize(

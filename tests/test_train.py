@@ -21,6 +21,7 @@ from draftsmith.disk_budget import dataset_row_tokens, row_bytes
 from draftsmith.layers import resolve_layers
 from draftsmith.layout import TrainPaths
 from draftsmith.records import TrainingMetrics
+from draftsmith.run_config import RunConfig
 from draftsmith.server import Endpoint
 from draftsmith.slot import GpuSlotError
 from draftsmith.train import (
@@ -134,7 +135,7 @@ def stage_paths(root: Path, dataset: Path, hidden_states: Path) -> TrainPaths:
 @pytest.mark.training
 def test_trains_on_cpu_and_publishes_drafter(target, dataset, hidden_states, tmp_path):
     paths = stage_paths(tmp_path, dataset, hidden_states)
-    run(settings(target), paths)
+    run(RunConfig.from_dict(settings(target)), paths)
 
     assert sorted(p.name for p in paths.output.iterdir()) == [
         "config.json",
@@ -163,7 +164,7 @@ def test_draft_vocab_larger_than_target_fails_fast(target, dataset, hidden_state
     paths = stage_paths(tmp_path, dataset, hidden_states)
     vocab = AutoConfig.from_pretrained(target).vocab_size
     with pytest.raises(TrainError, match=rf"draft_vocab_size {vocab + 1} exceeds the target's vocabulary of {vocab};"):
-        run(settings(target, draft_vocab_size=vocab + 1), paths)
+        run(RunConfig.from_dict(settings(target, draft_vocab_size=vocab + 1)), paths)
     assert not paths.staging.exists()
 
 
@@ -175,7 +176,7 @@ def test_missing_hidden_states_fail_fast_naming_the_row(target, dataset, hidden_
             (partial / f"hs_{row}.safetensors").symlink_to(hidden_states / f"hs_{row}.safetensors")
     paths = stage_paths(tmp_path, dataset, partial)
     with pytest.raises(TrainError, match=r"1 of 8 stored dataset rows .*: row 3 \(question q-3\); rerun"):
-        run(settings(target), paths)
+        run(RunConfig.from_dict(settings(target)), paths)
     assert not paths.staging.exists()
 
 
@@ -192,23 +193,23 @@ def test_under_a_disk_budget_only_the_stored_rows_need_files(target, dataset, hi
         (stored / f"hs_{row}.safetensors").symlink_to(hidden_states / f"hs_{row}.safetensors")
     budget = {"disk_budget": budget_for(target, dataset, 3), "stored_dtype": "served", "capture_memory_fraction": 0.5}
     budgeted = settings(target) | {"hidden_states": budget}
-    _plan, split = train.preflight(budgeted, stage_paths(tmp_path, dataset, stored))
+    _plan, split = train.preflight(RunConfig.from_dict(budgeted), stage_paths(tmp_path, dataset, stored))
     assert (split.rows, split.stored, split.mode) == (ROWS, 3, "budget")
     # All rows on disk while the budget holds three: the extraction is stale, training stops.
     with pytest.raises(TrainError, match=r"more rows than hidden_states.disk_budget stores \(3\); rerun"):
-        train.preflight(budgeted, stage_paths(tmp_path, dataset, hidden_states))
+        train.preflight(RunConfig.from_dict(budgeted), stage_paths(tmp_path, dataset, hidden_states))
 
 
 @pytest.mark.training
 def test_rerun_with_more_epochs_resumes_from_checkpoint(target, dataset, hidden_states, tmp_path, capfd):
     paths = stage_paths(tmp_path, dataset, hidden_states)
-    run(settings(target, epochs=1), paths)
+    run(RunConfig.from_dict(settings(target, epochs=1)), paths)
     first_log = capfd.readouterr().out
     assert "Starting fresh training run" in first_log
     epoch0 = paths.checkpoints / "0" / "model.safetensors"
     epoch0_written = epoch0.stat().st_mtime_ns
 
-    run(settings(target, epochs=2), paths)
+    run(RunConfig.from_dict(settings(target, epochs=2)), paths)
     second_log = capfd.readouterr().out
     assert "Resuming training on epoch 1" in second_log
     assert "Training epoch 1/2 started" not in second_log  # epoch 0 is not trained again
@@ -227,23 +228,30 @@ def test_changed_arguments_or_unfinished_epoch_drop_checkpoints(target, dataset,
     assert sorted(p.name for p in paths.checkpoints.iterdir()) == ["0"]
 
     software = {"speculators": "0.9.0"}
-    reset_if_changed(paths, speculators_args(settings(target), plan, paths), 2, software)
-    reset_if_changed(paths, speculators_args(settings(target, epochs=5), plan, paths), 5, software)
+    reset_if_changed(paths, speculators_args(RunConfig.from_dict(settings(target)), plan, paths), 2, software)
+    reset_if_changed(paths, speculators_args(RunConfig.from_dict(settings(target, epochs=5)), plan, paths), 5, software)
     assert (paths.checkpoints / "0").is_dir()  # more epochs continue
-    reset_if_changed(paths, speculators_args(settings(target, epochs=5), plan, paths), 5, {"speculators": "0.10.0"})
+    reset_if_changed(
+        paths,
+        speculators_args(RunConfig.from_dict(settings(target, epochs=5)), plan, paths),
+        5,
+        {"speculators": "0.10.0"},
+    )
     assert not paths.checkpoints.exists()  # an upgraded trainer starts afresh
     (paths.checkpoints / "0").mkdir(parents=True)
-    reset_if_changed(paths, speculators_args(settings(target, lr=0.1), plan, paths), 5, software)
+    reset_if_changed(paths, speculators_args(RunConfig.from_dict(settings(target, lr=0.1)), plan, paths), 5, software)
     assert not paths.checkpoints.exists()
     # Past a disk budget the capture server's port is new at every start; the checkpoints stay.
-    captured = speculators_args(settings(target), plan, paths, captures=True)
+    captured = speculators_args(RunConfig.from_dict(settings(target)), plan, paths, captures=True)
     reset_if_changed(paths, captured, 5, software)
     (paths.checkpoints / "0").mkdir(parents=True)
-    reset_if_changed(paths, speculators_args(settings(target), plan, paths, captures=True), 5, software)
+    reset_if_changed(
+        paths, speculators_args(RunConfig.from_dict(settings(target)), plan, paths, captures=True), 5, software
+    )
     assert (paths.checkpoints / "0").is_dir()
     # fp8 rows are read through speculators' fp8 backend; a change of storage starts afresh.
     fp8 = settings(target) | {"hidden_states": settings(target)["hidden_states"] | {"stored_dtype": "fp8"}}
-    fp8_args = speculators_args(fp8, plan, paths, captures=True)
+    fp8_args = speculators_args(RunConfig.from_dict(fp8), plan, paths, captures=True)
     assert fp8_args[fp8_args.index("--hidden-states-backend") + 1] == "fp8"
     assert "--hidden-states-backend" not in captured
     reset_if_changed(paths, fp8_args, 5, software)
@@ -262,7 +270,9 @@ def test_cuda_runs_one_torchrun_process_per_gpu_of_the_slot(tmp_path, monkeypatc
     plan = resolve_layers(kimi["layers"], 61)
     paths = stage_paths(tmp_path, tmp_path / "dataset", tmp_path / "hs")
 
-    command = train_command(kimi, plan, paths, training_processes(kimi, granted=8), captures=False)
+    command = train_command(
+        RunConfig.from_dict(kimi), plan, paths, training_processes(RunConfig.from_dict(kimi), granted=8), captures=False
+    )
 
     assert command[:10] == [
         sys.executable,
@@ -287,16 +297,18 @@ def test_cuda_runs_one_torchrun_process_per_gpu_of_the_slot(tmp_path, monkeypatc
         assert expected in flags
     # The CPU-only flags stay off a GPU run (GPU configs need no extra_args to undo them).
     assert "--num-workers" not in flags and "--hidden-states-dtype" not in flags
-    cpu = train_command(settings(Path("/models/demo")), resolve_layers(LAYERS, 6), paths, 1, captures=False)
+    cpu = train_command(
+        RunConfig.from_dict(settings(Path("/models/demo"))), resolve_layers(LAYERS, 6), paths, 1, captures=False
+    )
     assert " ".join(train.CPU_TRAINER_FLAGS) in " ".join(cpu)
     # Past a disk budget, rows come from the capture server, named by a placeholder until
     # it runs, so the recorded arguments (and the checkpoints) survive its new port.
-    online = train_command(kimi, plan, paths, 8, captures=True)
+    online = train_command(RunConfig.from_dict(kimi), plan, paths, 8, captures=True)
     assert f"--on-missing generate --vllm-endpoint {train.CAPTURE_ENDPOINT}" in " ".join(online)
     endpoint = Endpoint("http://127.0.0.1:4242/v1", "EMPTY", "/models/kimi")
     assert "http://127.0.0.1:4242/v1" in train.with_endpoint(online, endpoint)
     with pytest.raises(GpuSlotError, match="granted 4"):
-        training_processes(kimi, granted=4)
+        training_processes(RunConfig.from_dict(kimi), granted=4)
 
 
 def test_cpu_adaptations_leave_an_accelerator_machine_alone(monkeypatch):

@@ -12,6 +12,7 @@ from pathlib import Path
 from draftsmith.errors import DraftsmithError
 from draftsmith.guard import stop_with_launcher
 from draftsmith.progress import log
+from draftsmith.run_config import RunConfig
 from draftsmith.settings import stage_view
 
 SETTINGS_HELP = "the config as JSON text, or the path of a JSON file (the run's results/.staging/config.json)"
@@ -22,9 +23,10 @@ def read_config(value: str) -> dict:
     return json.loads(value if value.lstrip().startswith("{") else Path(value).read_text())
 
 
-def read_settings(value: str, stage: str) -> dict:
-    """The config as the stage's rule declares it (draftsmith/settings.py): only those keys."""
-    return stage_view(read_config(value), stage)
+def read_settings(value: str, stage: str) -> RunConfig:
+    """The config as the stage's rule declares it (draftsmith/settings.py), typed: reading a key
+    the rule does not declare is an error."""
+    return RunConfig.from_dict(stage_view(read_config(value), stage))
 
 
 def run_main(main: Callable[[], None]) -> None:

@@ -10,13 +10,16 @@ otherwise refuse every request (after 25 minutes of loading on Kimi).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import yaml
 from jsonschema.exceptions import best_match
 from jsonschema.validators import validator_for
 
+from draftsmith.run_config import RunConfig
 
-def config_problem(config: dict, schema_path: str | Path) -> str | None:
+
+def config_problem(config: dict[str, Any], schema_path: str | Path) -> str | None:
     schema = yaml.safe_load(Path(schema_path).read_text())
     error = best_match(validator_for(schema)(schema).iter_errors(config))
     if error is None:
@@ -25,19 +28,21 @@ def config_problem(config: dict, schema_path: str | Path) -> str | None:
     return f"config {where}: {error.message}; fix it in the config file (every key is described in config/README.md)"
 
 
-def cross_field_problems(config: dict) -> list[str]:
+def cross_field_problems(config: RunConfig) -> list[str]:
     """Settings valid one by one that cannot work together, one line each with the fix."""
     problems = []
-    max_model_len = config["server"]["max_model_len"]
-    for section in ("generation", "evaluation"):
-        max_tokens = config[section]["max_tokens"]
+    max_model_len = config.server.max_model_len
+    for section, max_tokens in (
+        ("generation", config.generation.max_tokens),
+        ("evaluation", config.evaluation.max_tokens),
+    ):
         if max_tokens >= max_model_len:
             problems.append(
                 f"config {section}.max_tokens {max_tokens} is not below server.max_model_len {max_model_len}: "
                 f"vLLM would refuse every request (no room for the prompt); lower {section}.max_tokens "
                 "or raise server.max_model_len"
             )
-    seq_length = config["dataset"]["seq_length"]
+    seq_length = config.dataset.seq_length
     if max_model_len < seq_length + 1:
         problems.append(
             f"config server.max_model_len {max_model_len} is below dataset.seq_length + 1 = {seq_length + 1}: "

@@ -29,6 +29,7 @@ from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.errors import DraftsmithError
 from draftsmith.layout import ROW_IDS, TOKEN_FREQUENCIES
 from draftsmith.progress import log
+from draftsmith.run_config import RunConfig
 
 SPECULATORS_CLI = [sys.executable, "-m", "speculators"]
 # `speculators prepare-data` options prepare_data_command passes (its typer parameters).
@@ -93,27 +94,27 @@ def row_key(input_ids: list[int], loss_mask: list[int]) -> str:
     return hashlib.sha256(json.dumps([list(input_ids), list(loss_mask)]).encode()).hexdigest()
 
 
-def prepare_data_command(settings: dict, merged: Path, output: Path) -> list[str]:
-    dataset = settings["dataset"]
+def prepare_data_command(settings: RunConfig, merged: Path, output: Path) -> list[str]:
+    dataset, target = settings.dataset, settings.target
     argv = [
         *SPECULATORS_CLI,
         "prepare-data",
         "--model",
-        settings["target"]["model"],
+        target.model,
         "--data",
         str(merged),
         "--output",
         str(output),
         "--seq-length",
-        str(dataset["seq_length"]),
+        str(dataset.seq_length),
         "--minimum-valid-tokens",
-        str(dataset["min_trainable_tokens"]),
+        str(dataset.min_trainable_tokens),
         "--no-skip-token-freq",
         "--token-freq-path",
         str(output / TOKEN_FREQUENCIES),
         "--overwrite",
     ]
-    if settings["target"]["trust_remote_code"]:
+    if target.trust_remote_code:
         argv.append("--trust-remote-code")
     return argv
 
@@ -133,11 +134,10 @@ def row_question_ids(dataset_dir: Path, ids_by_row: dict[str, list[str]]) -> lis
     return result
 
 
-def run(settings: dict, completions: list[Path], staging: Path, output: Path) -> None:
+def run(settings: RunConfig, completions: list[Path], staging: Path, output: Path) -> None:
     staging.mkdir(parents=True, exist_ok=True)
     merged = staging / "merged.jsonl"
-    seq_length = settings["dataset"]["seq_length"]
-    ids_by_row = merge_completions(completions, merged, seq_length)
+    ids_by_row = merge_completions(completions, merged, settings.dataset.seq_length)
     answers = sum(len(ids) for ids in ids_by_row.values())
     if not answers:
         raise DatasetError("the completion shards hold no answers; check the generation logs")

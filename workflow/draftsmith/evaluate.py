@@ -40,11 +40,11 @@ from draftsmith.client import SPECULATORS_CLIENT, chat_poster, open_session
 from draftsmith.evaluation_sets import read_prompts
 from draftsmith.progress import Progress, log
 from draftsmith.records import Measurement, Phase, Tally, summed
+from draftsmith.run_config import RunConfig
 from draftsmith.server import Endpoint, ServerSpec, counter_totals, read_metrics
 from draftsmith.server_stage import RequestPolicy, ServerStage, StageError
 from draftsmith.serving import EvaluationAttention, evaluation_attention
-from draftsmith.settings import concurrencies, draft_lengths, lookup
-from draftsmith.target import read_target_config
+from draftsmith.target import read_target_shape
 
 SPEC_METRIC_PREFIX = "vllm:spec_decode_num_"
 # The speculative method of the evaluation servers (vLLM's SpeculativeMethod).
@@ -58,9 +58,9 @@ class EvaluationError(StageError):
     pass
 
 
-def evaluation_stage(settings: dict) -> ServerStage[int]:
+def evaluation_stage(settings: RunConfig) -> ServerStage[int]:
     """The skeleton's parts for this stage; its items are a phase's prompts, by position."""
-    policy = RequestPolicy.from_section(settings["evaluation"], concurrency=concurrencies(settings)[0])
+    policy = RequestPolicy.from_section(settings.evaluation, concurrency=settings.evaluation.concurrencies[0])
     return ServerStage(
         "evaluate", settings, policy, "requests", name=lambda index: f"prompt {index}", error=EvaluationError
     )
@@ -84,7 +84,7 @@ async def run_phase(stage: ServerStage[int], endpoint: Endpoint, prompts: list[d
             payload = {
                 "model": endpoint.model,
                 "messages": prompt["messages"],
-                "max_tokens": stage.settings["evaluation"]["max_tokens"],
+                "max_tokens": stage.settings.evaluation.max_tokens,
                 **phase.sampling,
             }
             started = time.monotonic()
@@ -129,7 +129,7 @@ def measure(
     by_set: dict[str, list[dict]] = defaultdict(list)
     for prompt in prompts:
         by_set[prompt["set"]].append(prompt)
-    samplings, levels = lookup(settings, "evaluation.samplings"), concurrencies(settings)
+    samplings, levels = settings.evaluation_samplings, settings.evaluation.concurrencies
     if default_only:  # the untrained drafter only proves the wiring: greedy, at the default concurrency
         samplings, levels = samplings[:1], levels[:1]
     phases = [Phase(name, concurrency, sampling) for sampling in samplings for concurrency in levels for name in by_set]
@@ -229,7 +229,7 @@ def speculative_config(drafter: Path, num_speculative_tokens: int) -> dict:
 
 
 def run(
-    settings: dict,
+    settings: RunConfig,
     prompts_path: Path,
     drafter: Path | None,
     k: int | None,
@@ -239,11 +239,11 @@ def run(
 ) -> Measurement:
     stage = evaluation_stage(settings)
     stage.begin(granted_gpus)
-    if drafter is not None and k not in draft_lengths(settings):
+    if drafter is not None and k not in settings.evaluation.draft_lengths:
         raise EvaluationError(f"draft length {k} is not in evaluation.num_speculative_tokens; add it there")
     prompts = read_prompts(prompts_path)
     # Every evaluation server runs the target the same way, so the speedup compares like with like.
-    attention = evaluation_attention(read_target_config(settings["target"]["model"]), settings["device"])
+    attention = evaluation_attention(read_target_shape(settings.target.model), settings.device)
     if attention.mla_disabled:
         log(attention.reason)
     log(f"evaluating on {len(prompts)} prompts in {len({p['set'] for p in prompts})} set(s)")

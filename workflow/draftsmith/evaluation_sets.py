@@ -22,6 +22,7 @@ from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.errors import DraftsmithError
 from draftsmith.progress import log
 from draftsmith.questions import collect_questions, read_rows
+from draftsmith.run_config import EvaluationSetSettings, RunConfig
 
 HELDOUT = "heldout"
 NO_CATEGORY = "all"
@@ -47,24 +48,24 @@ def _category(row: dict, field: str | None) -> str:
     return NO_CATEGORY if value in (None, "") else str(value)
 
 
-def set_prompts(name: str, spec: dict) -> list[dict]:
+def set_prompts(name: str, spec: EvaluationSetSettings) -> list[dict[str, Any]]:
     """The prompts of one configured set, deduplicated, with their categories."""
-    rows: list = []
+    rows: list[Any] = []
     try:
-        source = read_rows(spec["source"], spec.get("split", "train"), spec.get("subset"))
-        if spec.get("prompt_field"):  # benchmark sets keep the question under their own name
-            source = (_as_prompt(row, spec["prompt_field"]) for row in source)
-        questions, counts = collect_questions(source, spec.get("limit"), kept_rows=rows)
+        source = read_rows(spec.source, spec.split, spec.subset)
+        if spec.prompt_field:  # benchmark sets keep the question under their own name
+            source = (_as_prompt(row, spec.prompt_field) for row in source)
+        questions, counts = collect_questions(source, spec.limit, kept_rows=rows)
     except DraftsmithError as error:
         raise EvaluationSetError(f"evaluation.sets.{name}: {error}") from error
-    field = spec.get("category_field")
+    field = spec.category_field
     prompts = [
         {"set": name, "category": _category(row, field), **json.loads(question.to_json())}
         for question, row in zip(questions, rows, strict=True)
     ]
     if not prompts:
         raise EvaluationSetError(
-            f"evaluation.sets.{name} ({spec['source']}) holds no usable prompt ({counts['rows']} rows read); "
+            f"evaluation.sets.{name} ({spec.source}) holds no usable prompt ({counts['rows']} rows read); "
             "rows need messages, conversations or prompt with a user turn"
         )
     return prompts
@@ -77,13 +78,13 @@ def heldout_prompts(path: Path, limit: int | None) -> list[dict]:
     return prompts[:limit] if limit else prompts
 
 
-def run(settings: dict, heldout: Path, output: Path) -> dict[str, Counter]:
-    evaluation = settings["evaluation"]
-    prompts = heldout_prompts(heldout, evaluation["limit"])
-    for name, spec in evaluation["sets"].items():
+def run(settings: RunConfig, heldout: Path, output: Path) -> dict[str, Counter[str]]:
+    evaluation = settings.evaluation
+    prompts = heldout_prompts(heldout, evaluation.limit)
+    for name, spec in evaluation.sets.items():
         prompts += set_prompts(name, spec)
     atomic_write_text(output, "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in prompts))
-    sizes: dict[str, Counter] = {}
+    sizes: dict[str, Counter[str]] = {}
     for prompt in prompts:
         sizes.setdefault(prompt["set"], Counter())[prompt["category"]] += 1
     for name, counts in sizes.items():

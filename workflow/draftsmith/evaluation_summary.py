@@ -26,6 +26,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
@@ -39,7 +40,7 @@ from draftsmith.evaluation_report import choice_text, plot_acceptance, plot_spee
 from draftsmith.evaluation_sets import HELDOUT, NO_CATEGORY, WHOLE_SET
 from draftsmith.progress import log
 from draftsmith.records import Measurement, Phase, Tally
-from draftsmith.settings import concurrencies, draft_lengths
+from draftsmith.run_config import RunConfig
 
 
 def accepted_at_positions(tally: Tally, k: int) -> list[int]:
@@ -260,9 +261,9 @@ def _measurement(tally: Tally, seconds: float, k: int) -> dict:
 
 
 def summarize(
-    settings: dict, baseline: Measurement, drafters: dict[int, Measurement], untrained: Measurement | None
-) -> dict:
-    k, concurrency = draft_lengths(settings)[0], concurrencies(settings)[0]
+    settings: RunConfig, baseline: Measurement, drafters: dict[int, Measurement], untrained: Measurement | None
+) -> dict[str, Any]:
+    k, concurrency = settings.evaluation.draft_lengths[0], settings.evaluation.concurrencies[0]
     result = legacy_fields(drafters[k], baseline, untrained, k, concurrency)
     result["results"] = [row for length in sorted(drafters) for row in result_rows(drafters[length], baseline)]
     result["recommendation"] = recommend(drafters, baseline)
@@ -270,7 +271,7 @@ def summarize(
 
 
 def run(
-    settings: dict,
+    settings: RunConfig,
     baseline: Path,
     drafter_jobs: list[Path],
     untrained: Path | None,

@@ -35,7 +35,6 @@ from pathlib import Path
 import openai
 import torch
 from datasets import Dataset, load_from_disk
-from transformers import AutoConfig
 
 from draftsmith.atomic import publish_directory
 from draftsmith.cli import SETTINGS_HELP, read_settings
@@ -45,11 +44,12 @@ from draftsmith.layers import LayerPlan, resolve_layers
 from draftsmith.layout import HIDDEN_STATE_GLOB, hidden_state_file, hidden_state_row
 from draftsmith.progress import Progress, log
 from draftsmith.records import ShardManifest
+from draftsmith.run_config import RunConfig
 from draftsmith.server import Endpoint, ServerSpec
 from draftsmith.server_stage import RequestPolicy, ServerStage, StageError, first_errors
-from draftsmith.settings import item_settings, limited_budget, stores_fp8
 from draftsmith.shard_gate import BadSample, check_sample, check_shard
 from draftsmith.staging import fingerprint_of, matching_siblings
+from draftsmith.target import read_target_shape
 
 # Third-party names this module uses; the preflight checks each exists (preflight.declared).
 THIRD_PARTY = [
@@ -73,9 +73,9 @@ class ExtractionError(StageError):
     """The shard could not be completed; the message says what failed and what to do."""
 
 
-def extraction_stage(settings: dict) -> ServerStage[int]:
+def extraction_stage(settings: RunConfig) -> ServerStage[int]:
     """The skeleton's parts for this stage; its items are dataset rows."""
-    policy = RequestPolicy.from_section(settings["extraction"])
+    policy = RequestPolicy.from_section(settings.extraction)
     return ServerStage("extract", settings, policy, "rows", name=row_name, error=ExtractionError)
 
 
@@ -174,17 +174,13 @@ def serving_dtype(config_dtype: torch.dtype | None, extra_args: Sequence[str]) -
     return config_dtype
 
 
-def target_shape(settings: dict) -> tuple[LayerPlan, SampleShape]:
+def target_shape(settings: RunConfig) -> tuple[LayerPlan, SampleShape]:
     """Layer count, width and dtype from the target's config.json; layers resolved once."""
-    target = settings["target"]
-    config = AutoConfig.from_pretrained(target["model"], trust_remote_code=target.get("trust_remote_code", False))
-    text_config = config.get_text_config()  # multimodal targets nest the LM config
-    plan = resolve_layers(list(settings["layers"]), text_config.num_hidden_layers)
-    dtype = serving_dtype(
-        getattr(text_config, "dtype", None) or getattr(config, "dtype", None),
-        settings["server"].get("extra_args", []),
-    )
-    return plan, SampleShape(len(plan.vllm_ids), text_config.hidden_size, dtype, stores_fp8(settings))
+    target = read_target_shape(settings.target.model)
+    plan = resolve_layers(list(settings.layers), target.num_hidden_layers)
+    checkpoint_dtype = getattr(torch, target.dtype) if target.dtype else None
+    dtype = serving_dtype(checkpoint_dtype, settings.server.extra_args)
+    return plan, SampleShape(len(plan.vllm_ids), target.hidden_size, dtype, settings.hidden_states.fp8)
 
 
 def extraction_server_args(plan: LayerPlan, storage_dir: Path, shape: SampleShape) -> list[str]:
@@ -210,19 +206,15 @@ def extraction_server_args(plan: LayerPlan, storage_dir: Path, shape: SampleShap
     ]
 
 
-def check_settings(settings: dict, rows: ShardRows) -> None:
+def check_settings(settings: RunConfig, rows: ShardRows) -> None:
     """Fail before the (slow) model load on what would fail every request later."""
-    server = settings["server"]
-    if (
-        settings.get("device") == "cpu"
-        and server["tensor_parallel_size"] > 1
-        and "VLLM_CPU_OMP_THREADS_BIND" not in server.get("env", {})
-    ):
+    server = settings.server
+    if settings.device == "cpu" and server.tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in server.env:
         raise ExtractionError(
             "device cpu with tensor_parallel_size > 1 needs server.env "
             'VLLM_CPU_OMP_THREADS_BIND (one core set per rank, e.g. "0|1")'
         )
-    limit = server.get("max_model_len")
+    limit = server.max_model_len
     if limit:
         longest = max(rows.rows, key=lambda row: len(rows[row]), default=None)
         if longest is not None and len(rows[longest]) + 1 > limit:
@@ -398,7 +390,7 @@ def publish(staging: Path, output: Path, rows: ShardRows, info: ShardManifest) -
 
 
 def run(
-    settings: dict,
+    settings: RunConfig,
     dataset_dir: Path,
     shard: int,
     num_shards: int,
@@ -410,7 +402,9 @@ def run(
     stage = extraction_stage(settings)
     stage.begin(granted_gpus, staging)
     plan, shape = target_shape(settings)
-    split = row_split(dataset_dir, limited_budget(settings), shape.num_layers_stored, shape.hidden_size, shape.fp8)
+    split = row_split(
+        dataset_dir, settings.hidden_states.limited_budget, shape.num_layers_stored, shape.hidden_size, shape.fp8
+    )
     rows = load_shard(dataset_dir, shard, num_shards, split.stored)
     check_settings(settings, rows)
     log(
@@ -433,7 +427,7 @@ def run(
     kept = "Staged rows are kept; rerun to retry only the missing ones"
     stage.check_failures(result.failures, len(rows), kept)
     check_shard(staging, rows, shape.num_layers_stored, shape.hidden_size, shape.stored_dtype)
-    items = fingerprint_of(item_settings(settings, "extract"))
+    items = fingerprint_of(stage.items)
     publish(staging, output, rows, manifest(rows, plan, shape, staging, items, split.stored))
     shutil.rmtree(storage)
     log(f"published {len(rows)} samples to {output}")

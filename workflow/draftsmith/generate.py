@@ -40,6 +40,7 @@ from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.client import SPECULATORS_CLIENT, chat_poster, open_session
 from draftsmith.layout import GENERATION_RECORDS, SUMMARY
 from draftsmith.progress import Progress, log
+from draftsmith.run_config import RunConfig
 from draftsmith.server import Endpoint, ServerSpec
 from draftsmith.server_stage import RequestPolicy, ServerStage, StageError
 from draftsmith.staging import matching_siblings
@@ -54,9 +55,9 @@ class GenerationError(StageError):
     pass
 
 
-def generation_stage(settings: dict) -> ServerStage[str]:
+def generation_stage(settings: RunConfig) -> ServerStage[str]:
     """The skeleton's parts for this stage; its items are question ids."""
-    policy = RequestPolicy.from_section(settings["generation"])
+    policy = RequestPolicy.from_section(settings.generation)
     return ServerStage("generate", settings, policy, "questions", error=GenerationError)
 
 
@@ -173,7 +174,7 @@ async def answer_questions(
 ) -> GenerationTally:
     from speculators.cli.regenerate_responses import regenerate_conversation
 
-    generation = stage.settings["generation"]
+    generation = stage.settings.generation
     by_id = {question["id"]: question for question in questions}
     position = {question_id: index for index, question_id in enumerate(by_id)}
     progress = Progress("generation", total, already_done=already_done)
@@ -187,9 +188,9 @@ async def answer_questions(
                 post,
                 item,
                 model=endpoint.model,
-                max_tokens=generation["max_tokens"],
+                max_tokens=generation.max_tokens,
                 endpoint=endpoint.base_url,
-                sampling_params=generation["sampling"],
+                sampling_params=generation.sampling,
                 samples=samples,
                 detokenize=lambda ids: "",  # review-only text twin; not needed
             )
@@ -201,12 +202,12 @@ async def answer_questions(
     return GenerationTally(len(by_id) - len(failures), progress.counts.get("truncated", 0), failures)
 
 
-def external_endpoint(settings: dict) -> Endpoint | None:
-    config = settings["generation"].get("endpoint")
-    if not config:
+def external_endpoint(settings: RunConfig) -> Endpoint | None:
+    external = settings.generation.endpoint
+    if external is None:
         return None
-    api_key = os.environ.get(config.get("api_key_env", "DRAFTSMITH_ENDPOINT_API_KEY"), "EMPTY")
-    return Endpoint(config["base_url"], api_key, config.get("model") or settings["target"]["model"])
+    api_key = os.environ.get(external.api_key_env or "DRAFTSMITH_ENDPOINT_API_KEY", "EMPTY")
+    return Endpoint(external.base_url, api_key, external.model or settings.target.model)
 
 
 def publish(questions: list[dict[str, Any]], records: dict[str, dict[str, Any]], output: Path) -> None:
@@ -215,18 +216,16 @@ def publish(questions: list[dict[str, Any]], records: dict[str, dict[str, Any]],
     atomic_write_text(output, "".join(lines))
 
 
-def overlong_prompts(settings: dict, questions: list[dict[str, Any]]) -> dict[str, int]:
+def overlong_prompts(settings: RunConfig, questions: list[dict[str, Any]]) -> dict[str, int]:
     """Prompt lengths of the questions whose prompt alone fills server.max_model_len.
 
     vLLM would refuse each with HTTP 400, but only after the model has loaded (an hour
     for a large target); the tokenizer tells the same in seconds. An external endpoint's
     context is not ours to know, so it is not checked."""
-    limit = settings["server"].get("max_model_len")
-    if not questions or not limit or settings["generation"].get("endpoint"):
+    if not questions or settings.generation.endpoint is not None:
         return {}  # nothing to ask (a finished shard loads no tokenizer), or nothing to check
-    tokenizer = AutoTokenizer.from_pretrained(
-        settings["target"]["model"], trust_remote_code=settings["target"]["trust_remote_code"]
-    )
+    limit, target = settings.server.max_model_len, settings.target
+    tokenizer = AutoTokenizer.from_pretrained(target.model, trust_remote_code=target.trust_remote_code)
     lengths = {}
     for question in questions:
         encoded = tokenizer.apply_chat_template(
@@ -238,7 +237,9 @@ def overlong_prompts(settings: dict, questions: list[dict[str, Any]]) -> dict[st
     return lengths
 
 
-def run(settings: dict, questions_path: Path, staging: Path, output: Path, granted_gpus: int | None) -> GenerationTally:
+def run(
+    settings: RunConfig, questions_path: Path, staging: Path, output: Path, granted_gpus: int | None
+) -> GenerationTally:
     stage = generation_stage(settings)
     stage.begin(granted_gpus, staging)
     questions = read_questions(questions_path)
@@ -250,7 +251,7 @@ def run(settings: dict, questions_path: Path, staging: Path, output: Path, grant
 
     overlong = overlong_prompts(settings, todo)
     if overlong:
-        limit = settings["server"]["max_model_len"]
+        limit = settings.server.max_model_len
         message = (
             f"{len(overlong)} of {len(questions)} questions have a prompt that fills "
             f"server.max_model_len={limit} on its own (longest {max(overlong.values())} tokens, "

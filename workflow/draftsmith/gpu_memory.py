@@ -21,6 +21,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from draftsmith.run_config import RunConfig
+from draftsmith.target import TargetShape
+
 GIB = 2**30
 MIB = 2**20
 KIMI_WIDTH = 7168
@@ -35,19 +38,20 @@ def checkpoint_bytes(model: str | Path) -> int:
     return sum(path.stat().st_size for path in Path(model).glob("*.safetensors"))
 
 
-def kv_bytes_per_token(text_config: dict, tensor_parallel_size: int) -> float:
+def kv_bytes_per_token(target: TargetShape, tensor_parallel_size: int) -> float:
     """Per GPU: MLA keeps the whole latent (and rope key) on every rank; other attention
     splits its KV heads over TP."""
-    layers = text_config["num_hidden_layers"]
-    if text_config.get("kv_lora_rank"):
-        return (text_config["kv_lora_rank"] + text_config.get("qk_rope_head_dim", 0)) * layers * KV_BYTES_PER_VALUE
-    heads = text_config.get("num_key_value_heads") or text_config["num_attention_heads"]
-    head_dim = text_config.get("head_dim") or text_config["hidden_size"] // text_config["num_attention_heads"]
+    layers = target.num_hidden_layers
+    if target.mla:
+        return target.mla_latent * layers * KV_BYTES_PER_VALUE
+    query_heads = target.num_attention_heads or 1
+    heads = target.num_key_value_heads or query_heads
+    head_dim = target.head_dim or target.hidden_size // query_heads
     return 2 * heads * head_dim * layers * KV_BYTES_PER_VALUE / tensor_parallel_size
 
 
-def server_bytes(weights: int, text_config: dict, tensor_parallel_size: int, max_model_len: int) -> float:
-    kv = kv_bytes_per_token(text_config, tensor_parallel_size) * max_model_len
+def server_bytes(weights: int, target: TargetShape, tensor_parallel_size: int, max_model_len: int) -> float:
+    kv = kv_bytes_per_token(target, tensor_parallel_size) * max_model_len
     return weights / tensor_parallel_size + kv + SERVER_OVERHEAD_GIB * GIB
 
 
@@ -63,18 +67,17 @@ def largest_total_seq_len(hidden_size: int, available: float) -> int:
     return max(int(tokens) // 1024 * 1024, 0)
 
 
-def split_problems(settings: dict, text_config: dict, gpu_bytes: int, weights: int) -> list[str]:
+def split_problems(settings: RunConfig, target: TargetShape, gpu_bytes: int, weights: int) -> list[str]:
     """One line per share that cannot hold its part, naming the setting to move."""
-    fraction = settings["hidden_states"]["capture_memory_fraction"]
-    server = settings["server"]
-    tp = server["tensor_parallel_size"]
-    need_server = server_bytes(weights, text_config, tp, server["max_model_len"] or 0)
-    total_seq_len = settings["training"]["total_seq_len"]
-    need_trainer = trainer_bytes(text_config["hidden_size"], total_seq_len)
+    fraction = settings.hidden_states.capture_memory_fraction
+    tp = settings.server.tensor_parallel_size
+    need_server = server_bytes(weights, target, tp, settings.server.max_model_len or 0)
+    total_seq_len = settings.training.total_seq_len
+    need_trainer = trainer_bytes(target.hidden_size, total_seq_len)
     gib = gpu_bytes / GIB
     server_share = math.ceil(need_server / gpu_bytes * 100) / 100  # the fraction to suggest
     if need_server + need_trainer > gpu_bytes:
-        tokens = largest_total_seq_len(text_config["hidden_size"], (1 - server_share) * gpu_bytes)
+        tokens = largest_total_seq_len(target.hidden_size, (1 - server_share) * gpu_bytes)
         fix = (
             f"lower training.total_seq_len to {tokens} and set hidden_states.capture_memory_fraction to "
             f"{server_share:.2f}"
@@ -93,7 +96,7 @@ def split_problems(settings: dict, text_config: dict, gpu_bytes: int, weights: i
             f"{fraction} gives it {fraction * gib:.0f} GiB; set it to {server_share:.2f} or more"
         )
     if need_trainer > (1 - fraction) * gpu_bytes:
-        tokens = largest_total_seq_len(text_config["hidden_size"], (1 - fraction) * gpu_bytes)
+        tokens = largest_total_seq_len(target.hidden_size, (1 - fraction) * gpu_bytes)
         problems.append(
             f"the trainer needs ~{need_trainer / GIB:.0f} GiB per GPU at training.total_seq_len {total_seq_len} but "
             f"the capture server leaves it {(1 - fraction) * gib:.0f} GiB; lower total_seq_len to {tokens} or "

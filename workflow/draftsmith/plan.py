@@ -15,6 +15,7 @@ import argparse
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
@@ -22,9 +23,8 @@ from draftsmith.disk_budget import row_bytes, state_bytes_per_token
 from draftsmith.errors import DraftsmithError
 from draftsmith.layout import Layout
 from draftsmith.progress import log
-from draftsmith.settings import draft_lengths, limited_budget, stores_fp8, trainer_processes
-from draftsmith.slot import gpus_needed
-from draftsmith.target import read_target_config
+from draftsmith.run_config import RunConfig
+from draftsmith.target import read_target_shape
 
 # The share of the free disk a suggested budget takes: the rest is for checkpoints and logs.
 FREE_DISK_SHARE = 0.9
@@ -49,20 +49,20 @@ def _count_lines(path: Path) -> int:
         return sum(1 for line in handle if line.strip())
 
 
-def _question_counts(settings: dict, results: Path) -> tuple[int, int, str]:
+def _question_counts(settings: RunConfig, results: Path) -> tuple[int, int, str]:
     """(train questions, held-out questions, where the numbers come from)."""
     summary = Layout(results).questions_summary
     if summary.exists():
         data = json.loads(summary.read_text())
         return data["train"], data["heldout"], "questions stage"
-    section = settings["questions"]
-    total = section["limit"]
-    source = Path(section["source"])
+    section = settings.questions
+    total = section.limit
+    source = Path(section.source)
     if source.suffix == ".jsonl" and source.is_file():
         total = min(total or 10**18, _count_lines(source))
     if total is None:
         raise PlanError("questions.limit is unset and the source is not a local JSONL: set questions.limit to plan")
-    heldout = min(section["heldout"], total)
+    heldout = min(section.heldout, total)
     return total - heldout, heldout, "config (before dedup)"
 
 
@@ -94,28 +94,28 @@ def _done(layout: Layout) -> dict:
     }
 
 
-def plan_for(settings: dict, results: Path) -> dict:
-    target = read_target_config(settings["target"]["model"])
+def plan_for(settings: RunConfig, results: Path) -> dict[str, Any]:
+    target = read_target_shape(settings.target.model)
     train, heldout, counted_from = _question_counts(settings, results)
     measured = _measured_tokens(results)
-    seq_length = settings["dataset"]["seq_length"]
+    seq_length = settings.dataset.seq_length
     if measured and measured[0]:
         answers, prompt_tokens, completion_tokens = measured
         per_row = min(seq_length, (prompt_tokens + completion_tokens) / answers)
         tokens_basis = "measured"
     else:
         prompt_tokens = train * ASSUMED_PROMPT_TOKENS
-        completion_tokens = train * settings["generation"]["max_tokens"]
-        per_row = min(seq_length, ASSUMED_PROMPT_TOKENS + settings["generation"]["max_tokens"])
+        completion_tokens = train * settings.generation.max_tokens
+        per_row = min(seq_length, ASSUMED_PROMPT_TOKENS + settings.generation.max_tokens)
         tokens_basis = "upper bound"
     training_tokens = int(per_row * train)
-    layers, hidden = len(settings["layers"]), target["hidden_size"]
-    fp8 = stores_fp8(settings)
+    layers, hidden = len(settings.layers), target.hidden_size
+    fp8 = settings.hidden_states.fp8
     hidden_bytes = training_tokens * state_bytes_per_token(layers, hidden, fp8)
     layout = Layout(results)
     done = _done(layout)
     written_bytes = sum(p.stat().st_size for p in layout.hidden_state_files())
-    external = bool(settings["generation"].get("endpoint"))
+    external = settings.generation.endpoint is not None
     free_disk = shutil.disk_usage(existing_parent(results)).free
     modes = storage_modes(settings, train, row_bytes(round(per_row), layers, hidden, fp8), free_disk + written_bytes)
     return {
@@ -134,28 +134,28 @@ def plan_for(settings: dict, results: Path) -> dict:
         "free_disk_bytes": free_disk,
         "storage_modes": modes,
         "model_loads": {
-            "generation": 0 if external else settings["questions"]["shards"],
-            "extraction": settings["extraction"]["shards"],
+            "generation": 0 if external else settings.questions.shards,
+            "extraction": settings.extraction.shards,
             "evaluation": evaluation_loads(settings),
         },
-        "draft_lengths": len(draft_lengths(settings)),
-        "compare_untrained": settings["evaluation"]["compare_untrained"],
-        "gpu_slot": settings["gpu_slot"],
-        "gpus_per_server": gpus_needed(settings),
+        "draft_lengths": len(settings.evaluation.draft_lengths),
+        "compare_untrained": settings.evaluation.compare_untrained,
+        "gpu_slot": settings.gpu_slot,
+        "gpus_per_server": settings.server.gpus,
         "done": done,
     }
 
 
-def in_flight_rows(settings: dict) -> int:
+def in_flight_rows(settings: RunConfig) -> int:
     """Captured files on disk at once, at most: speculators loads and deletes each file as
     its dataloader worker gets it (what is prefetched waits in memory), so one per worker
     (or per trainer process without workers)."""
-    args = list(settings["training"]["extra_args"])
+    args = list(settings.training.extra_args)
     workers = int(args[args.index("--num-workers") + 1]) if "--num-workers" in args[:-1] else 0
-    return trainer_processes(settings) * max(workers, 1)
+    return settings.trainer_processes * max(workers, 1)
 
 
-def storage_mode(name: str, settings: dict, rows: int, stored: int, each: int) -> dict:
+def storage_mode(name: str, settings: RunConfig, rows: int, stored: int, each: int) -> dict[str, Any]:
     """``each``: the bytes of a stored row of the average length."""
     captured = rows - stored
     in_flight = min(in_flight_rows(settings), captured)
@@ -164,16 +164,16 @@ def storage_mode(name: str, settings: dict, rows: int, stored: int, each: int) -
         "rows_stored": stored,
         "stored_bytes": stored * each,
         "peak_disk_bytes": (stored + in_flight) * each,
-        "capture_passes": captured * settings["training"]["epochs"],
-        "model_loads": (settings["extraction"]["shards"] if stored else 0) + (1 if captured else 0),
+        "capture_passes": captured * settings.training.epochs,
+        "model_loads": (settings.extraction.shards if stored else 0) + (1 if captured else 0),
     }
 
 
-def storage_modes(settings: dict, rows: int, each: int, disk: int) -> list[dict]:
+def storage_modes(settings: RunConfig, rows: int, each: int, disk: int) -> list[dict[str, Any]]:
     """Offline, the configured budget, the largest budget the disk holds (when offline
     does not fit), and online: what each stores and captures (rows of ``each`` bytes)."""
     modes = [storage_mode("offline", settings, rows, rows, each)]
-    budget = limited_budget(settings)
+    budget = settings.hidden_states.limited_budget
     if budget not in (None, 0):
         modes.append(storage_mode(CONFIGURED_BUDGET, settings, rows, min(budget // each, rows), each))
     fitting = int(disk * FREE_DISK_SHARE) - min(in_flight_rows(settings), rows) * each
@@ -184,9 +184,9 @@ def storage_modes(settings: dict, rows: int, each: int, disk: int) -> list[dict]
     return modes + [storage_mode("online", settings, rows, 0, each)]
 
 
-def configured_mode(plan: dict, settings: dict) -> dict:
+def configured_mode(plan: dict[str, Any], settings: RunConfig) -> dict[str, Any]:
     """The storage mode this config runs in (``storage_modes``' row for it)."""
-    budget = limited_budget(settings)
+    budget = settings.hidden_states.limited_budget
     name = "offline" if budget is None else "online" if budget == 0 else CONFIGURED_BUDGET
     return next(mode for mode in plan["storage_modes"] if mode["mode"] == name)
 
@@ -197,10 +197,10 @@ def fitting_budget(plan: dict) -> str | None:
     return f'"{human_bytes(fits[0]["budget_bytes"])}"' if fits else None
 
 
-def evaluation_loads(settings: dict) -> int:
+def evaluation_loads(settings: RunConfig) -> int:
     """The target alone once, once per draft length, and the untrained drafter once: on a
     1T-parameter target each load is many minutes, so a long sweep shows here first."""
-    return 1 + len(draft_lengths(settings)) + int(settings["evaluation"]["compare_untrained"])
+    return 1 + len(settings.evaluation.draft_lengths) + int(settings.evaluation.compare_untrained)
 
 
 def human_bytes(n: float) -> str:

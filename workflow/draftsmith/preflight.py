@@ -42,10 +42,9 @@ from draftsmith.gpu_memory import checkpoint_bytes, split_problems
 from draftsmith.layers import LayerConfigError, resolve_layers
 from draftsmith.plan import configured_mode, existing_parent, fitting_budget, plan_for
 from draftsmith.questions import first_row_problem, is_local_source
+from draftsmith.run_config import EvaluationSetSettings, QuestionsSettings, RunConfig
 from draftsmith.serving import MLA_DISABLE_ENV, ServingError, evaluation_attention, mla_latent_problem
-from draftsmith.settings import limited_budget
-from draftsmith.slot import gpus_needed
-from draftsmith.target import draft_vocab_problem, read_target_config
+from draftsmith.target import TargetShape, draft_vocab_problem, read_target_shape
 
 # What draftsmith uses from vLLM, speculators and torch is declared once, next to its use:
 # each module's THIRD_PARTY ((module, attribute) pairs; "Class.member" for a member it
@@ -264,107 +263,106 @@ def check_install(cache: Path | None = None) -> list[str]:
     return problems
 
 
-def check_target(settings: dict) -> list[str]:
+def check_target(settings: RunConfig) -> list[str]:
     try:
-        target = read_target_config(settings["target"]["model"])
+        target = read_target_shape(settings.target.model)
     except DraftsmithError as error:
         return [str(error)]
     problems = []
     try:
-        resolve_layers(settings["layers"], target["num_hidden_layers"])
+        resolve_layers(list(settings.layers), target.num_hidden_layers)
     except LayerConfigError as error:
         problems.append(str(error))
-    tp = settings["server"]["tensor_parallel_size"]
-    heads = target.get("num_attention_heads")
+    tp = settings.server.tensor_parallel_size
+    heads = target.num_attention_heads
     if heads and heads % tp:
         problems.append(
             f"server.tensor_parallel_size {tp} does not divide the target's {heads} attention heads; "
             f"use a divisor of {heads}"
         )
-    if vocab_problem := draft_vocab_problem(settings["training"]["draft_vocab_size"], target.get("vocab_size")):
+    if vocab_problem := draft_vocab_problem(settings.training.draft_vocab_size, target.vocab_size):
         problems.append(vocab_problem)
     return problems + check_serving(target, settings)
 
 
-def configured_sources(settings: dict) -> dict[str, dict]:
-    """Every question or prompt source the config names: its key -> source, split, subset."""
-    sections = {"questions.source": settings["questions"]}
-    for name, spec in settings["evaluation"]["sets"].items():
-        sections[f"evaluation.sets.{name}.source"] = spec
-    return {
-        key: {field: section.get(field) for field in ("source", "split", "subset")} for key, section in sections.items()
-    }
+def configured_sources(settings: RunConfig) -> dict[str, QuestionsSettings | EvaluationSetSettings]:
+    """Every question or prompt source the config names: its key -> its section (source,
+    split, subset)."""
+    sources: dict[str, QuestionsSettings | EvaluationSetSettings] = {"questions.source": settings.questions}
+    for name, spec in settings.evaluation.sets.items():
+        sources[f"evaluation.sets.{name}.source"] = spec
+    return sources
 
 
-def check_local_inputs(settings: dict) -> list[str]:
+def check_local_inputs(settings: RunConfig) -> list[str]:
     """Every local path the config names exists. Snakemake does not look at the inputs of
     a finished job, so a mistyped path after a run would otherwise pass as "nothing to do"."""
     return [
-        f"{key} {spec['source']} does not exist (a local path, not a hub id); fix the path in the config"
+        f"{key} {spec.source} does not exist (a local path, not a hub id); fix the path in the config"
         for key, spec in configured_sources(settings).items()
-        if is_local_source(spec["source"]) and not Path(spec["source"]).expanduser().exists()
+        if is_local_source(spec.source) and not Path(spec.source).expanduser().exists()
     ]
 
 
-def check_hub_sources(settings: dict) -> list[str]:
+def check_hub_sources(settings: RunConfig) -> list[str]:
     """Every hub dataset the config names gives its first row, before any server loads: an
     evaluation set that cannot be reached would otherwise fail after generation, extraction
     and training. Read together, so an unreachable hub costs its timeout once."""
-    hub = {key: spec for key, spec in configured_sources(settings).items() if not is_local_source(spec["source"])}
+    hub = {key: spec for key, spec in configured_sources(settings).items() if not is_local_source(spec.source)}
     with ThreadPoolExecutor(max_workers=max(1, len(hub))) as pool:
         problems = pool.map(
-            lambda spec: first_row_problem(spec["source"], spec["split"] or "train", spec["subset"]), hub.values()
+            lambda spec: first_row_problem(spec.source, spec.split or "train", spec.subset), hub.values()
         )
     return [f"{key}: {problem}" for key, problem in zip(hub, problems, strict=True) if problem]
 
 
-def check_serving(text_config: dict, settings: dict) -> list[str]:
+def check_serving(target: TargetShape, settings: RunConfig) -> list[str]:
     """An MLA target: whether the installed vLLM's attention backends can serve it, and
     with an EAGLE-3 drafter (serving.py), on this device."""
-    if str(settings["server"]["env"].get(MLA_DISABLE_ENV, "0")) == "1":
+    if str(settings.server.env.get(MLA_DISABLE_ENV, "0")) == "1":
         return []  # every server runs ordinary attention
     try:
-        problem = mla_latent_problem(text_config, settings["device"])
-        attention = evaluation_attention(text_config, settings["device"])
+        problem = mla_latent_problem(target, settings.device)
+        attention = evaluation_attention(target, settings.device)
     except ServingError as error:
         return [str(error)]
     except ImportError as error:  # that device's backends are not in this build
-        print(f"preflight: attention backends for {settings['device']} not inspected ({error})", file=sys.stderr)
+        print(f"preflight: attention backends for {settings.device} not inspected ({error})", file=sys.stderr)
         return []
     if attention.mla_disabled:
         print(f"preflight: {attention.reason}", file=sys.stderr)
     return [problem] if problem else []
 
 
-def check_gpus(settings: dict) -> list[str]:
-    if settings["device"] != "cuda":
+def check_gpus(settings: RunConfig) -> list[str]:
+    if not settings.on_cuda:
         return []
     import torch
 
-    needed = gpus_needed(settings)
+    needed = settings.server.gpus
     visible = torch.cuda.device_count()
     if visible < needed:
         return [f"{visible} GPU(s) visible but TP x DP = {needed}; run on a host with {needed} GPUs or lower TP/DP"]
-    if settings["gpu_slot"] < needed:
-        return [f"gpu_slot {settings['gpu_slot']} is below TP x DP = {needed}; set gpu_slot: {needed}"]
+    if settings.gpu_slot < needed:
+        return [f"gpu_slot {settings.gpu_slot} is below TP x DP = {needed}; set gpu_slot: {needed}"]
     return []
 
 
-def check_capture_memory(settings: dict) -> list[str]:
+def check_capture_memory(settings: RunConfig) -> list[str]:
     """Under a disk budget on cuda: the capture server and the trainer fit each GPU together
     (gpu_memory.py). Skipped without a visible GPU or the target's weight files."""
-    if settings["device"] != "cuda" or limited_budget(settings) is None:
+    if not settings.on_cuda or settings.hidden_states.limited_budget is None:
         return []
     import torch
 
-    weights = checkpoint_bytes(settings["target"]["model"])
+    weights = checkpoint_bytes(settings.target.model)
     if not torch.cuda.is_available() or not weights:
         return []
     gpu_bytes = torch.cuda.get_device_properties(0).total_memory
-    return split_problems(settings, read_target_config(settings["target"]["model"]), gpu_bytes, weights)
+    return split_problems(settings, read_target_shape(settings.target.model), gpu_bytes, weights)
 
 
-def check_disk(settings: dict, results: Path) -> list[str]:
+def check_disk(settings: RunConfig, results: Path) -> list[str]:
     """The hidden states this config stores (all, or its disk budget, plus the captured
     files in flight) fit the free disk; if not, the line names the budget that does."""
     plan = plan_for(settings, results)
@@ -409,7 +407,7 @@ def check_loopback_port() -> list[str]:
 
 
 def run_checks(
-    settings: dict,
+    settings: RunConfig,
     results: Path,
     *,
     target: bool = True,
@@ -438,7 +436,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-gpus", action="store_true", help="GPUs are on other (compute) nodes")
     parser.add_argument("--install-cache", type=Path, help="where passed install checks are remembered")
     args = parser.parse_args(argv)
-    settings = read_config(args.settings)
+    settings = RunConfig.from_dict(read_config(args.settings))
     problems = run_checks(
         settings, args.results, target=not args.skip_target, gpus=not args.skip_gpus, install_cache=args.install_cache
     )

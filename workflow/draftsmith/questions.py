@@ -26,6 +26,7 @@ from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.errors import DraftsmithError
 from draftsmith.layout import SUMMARY, heldout_file, shard_file
 from draftsmith.progress import log
+from draftsmith.run_config import RunConfig
 
 LOCAL_SUFFIXES = {".jsonl", ".json", ".parquet"}
 USER_ROLES = {"user", "human"}
@@ -240,25 +241,25 @@ def write_jsonl(path: Path, questions: list[Question]) -> None:
     atomic_write_text(path, "".join(q.to_json() + "\n" for q in questions))
 
 
-def run(settings: dict, output_dir: Path) -> dict:
-    section = settings["questions"]
-    rows = read_rows(section["source"], section["split"], section["subset"])
-    questions, counts = collect_questions(rows, section["limit"])
+def run(settings: RunConfig, output_dir: Path) -> dict[str, Any]:
+    section = settings.questions
+    rows = read_rows(section.source, section.split, section.subset)
+    questions, counts = collect_questions(rows, section.limit)
     bad = {reason: n for reason, n in counts.items() if reason.startswith("bad: ")}
     for reason, n in sorted(bad.items()):
         log(f"skipped {n} row(s): {reason.removeprefix('bad: ')}")
     if not questions:
         raise QuestionsError(
-            f"no usable questions in {section['source']} ({counts['rows']} rows read, "
+            f"no usable questions in {section.source} ({counts['rows']} rows read, "
             f"{sum(bad.values())} bad); rows need messages, conversations or prompt with a user turn"
         )
-    shards, heldout = split_questions(questions, section["heldout"], section["shards"], section["seed"])
+    shards, heldout = split_questions(questions, section.heldout, section.shards, section.seed)
     output_dir.mkdir(parents=True, exist_ok=True)
     for index, shard in enumerate(shards):
         write_jsonl(shard_file(output_dir, index), shard)
     write_jsonl(heldout_file(output_dir), heldout)
     summary = {
-        "source": section["source"],
+        "source": section.source,
         "rows_read": counts["rows"],
         "bad_rows": sum(bad.values()),
         "bad_rows_by_reason": {k.removeprefix("bad: "): v for k, v in bad.items()},

@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -90,7 +92,7 @@ def redact(value):
     return value
 
 
-def run_metadata(settings: dict) -> str:
+def run_metadata(settings: Mapping[str, Any]) -> str:
     lines = [f"python {platform.python_version()} on {platform.platform()}"]
     for name in VERSIONED:
         try:
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "training-curves":
         plot_training_curves(args.metrics, args.output)
     else:
-        atomic_write_text(args.output, run_metadata(read_settings(args.settings, "run_metadata")))
+        atomic_write_text(args.output, run_metadata(read_settings(args.settings, "run_metadata").source))
 
 
 if __name__ == "__main__":

@@ -23,14 +23,16 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.guard import guarded, stop_process_group, uncapped_environment
 from draftsmith.layout import Layout
 from draftsmith.progress import log
+from draftsmith.run_config import RunConfig
 from draftsmith.server import Endpoint, ServerSpec, wait_until_healthy
 from draftsmith.serving import evaluation_attention
-from draftsmith.target import read_target_config
+from draftsmith.target import read_target_shape
 
 
 class ServeError(DraftsmithError):
@@ -57,19 +59,21 @@ def speculative_config(results: Layout, num_speculative_tokens: int | None) -> d
 
 
 def server_command(
-    run_config: dict, spec_config: dict, host: str, port: int, extra_args: list[str]
+    run_config: RunConfig, spec_config: dict[str, Any], host: str, port: int, extra_args: list[str]
 ) -> tuple[list[str], dict[str, str]]:
     """vLLM's argv and environment for the target plus drafter, as the evaluation serves them."""
     spec = ServerSpec.from_config(run_config, extra_args=["--speculative-config", json.dumps(spec_config), *extra_args])
     argv = spec.command(port)
     argv[argv.index("--host") + 1] = host
-    attention = evaluation_attention(read_target_config(spec.model), run_config["device"])
+    attention = evaluation_attention(read_target_shape(spec.model), run_config.device)
     return argv, {**spec.env, **attention.server_env()}
 
 
 def serve(args: argparse.Namespace) -> None:
     results = Layout(args.results_dir)
-    run_config = read_json(results.run_config, "the run's config record", "pass --results-dir of a finished run")
+    run_config = RunConfig.from_dict(
+        read_json(results.run_config, "the run's config record", "pass --results-dir of a finished run")
+    )
     spec_config = speculative_config(results, args.num_speculative_tokens)
     argv, env = server_command(run_config, spec_config, args.host, args.port, args.vllm_args)
     model = argv[argv.index("--served-model-name") + 1]
@@ -83,7 +87,7 @@ def serve(args: argparse.Namespace) -> None:
     # finally below, which stops the whole group.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        wait_until_healthy(process, endpoint, None, float(run_config["server"]["startup_timeout_s"]))
+        wait_until_healthy(process, endpoint, None, float(run_config.server.startup_timeout_s))
         log(
             f"serving {model} with drafter {spec_config['model']} "
             f"(k={spec_config['num_speculative_tokens']}) at {endpoint.base_url}; "

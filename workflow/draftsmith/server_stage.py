@@ -24,10 +24,11 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.progress import Progress, log
+from draftsmith.run_config import EvaluationSettings, ExtractionSettings, GenerationSettings, RunConfig
 from draftsmith.server import Endpoint, ServerSpec, import_in_background, managed_server
 from draftsmith.settings import item_settings
 from draftsmith.slot import check_gpu_slot
@@ -65,12 +66,14 @@ class RequestPolicy:
         return failed <= self.max_error_fraction * total
 
     @classmethod
-    def from_section(cls, section: dict, concurrency: int | None = None) -> RequestPolicy:
+    def from_section(
+        cls, section: GenerationSettings | ExtractionSettings | EvaluationSettings, concurrency: int | None = None
+    ) -> RequestPolicy:
         return cls(
-            concurrency=concurrency or section["concurrency"],
-            timeout_s=section["request_timeout_s"],
-            max_retries=section["max_retries"],
-            max_error_fraction=section.get("max_error_fraction", 0.0),
+            concurrency=concurrency or section.concurrency,  # type: ignore[arg-type]  # evaluation's is swept
+            timeout_s=section.request_timeout_s,
+            max_retries=section.max_retries,
+            max_error_fraction=getattr(section, "max_error_fraction", 0.0),
         )
 
 
@@ -100,7 +103,7 @@ class ServerStage(Generic[Item]):
     ``noun`` is what its items are called in messages ("questions", "rows", "requests")."""
 
     rule: str
-    settings: dict
+    settings: RunConfig
     policy: RequestPolicy
     noun: str
     name: Callable[[Item], str] = str  # an item as messages name it
@@ -108,12 +111,15 @@ class ServerStage(Generic[Item]):
     # Attempts sent again. A request that timed out here may have run on the server all the
     # same: a check against the server's own counters must allow for it (evaluate).
     retried: int = field(default=0, init=False)
+    # What each staged item depends on (settings.item_settings), worked out once by ``begin``.
+    items: dict[str, Any] = field(default_factory=dict, init=False)
 
     def begin(self, granted_gpus: int | None, staging: Path | None = None) -> None:
         """Steps 1 and 2: refuse a slot too small for the server; open the staging."""
         check_gpu_slot(self.settings, granted_gpus)
         if staging is not None:
-            open_staging(staging, item_settings(self.settings, self.rule))
+            self.items = item_settings(self.settings.source, self.rule)
+            open_staging(staging, self.items)
 
     @contextmanager
     def server(self, spec: ServerSpec, *imports: str, external: Endpoint | None = None) -> Iterator[Endpoint]:

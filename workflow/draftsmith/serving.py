@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.target import TargetShape
 
 MLA_DISABLE_ENV = "VLLM_MLA_DISABLE"
 # Third-party names this module uses; the preflight checks each exists (preflight.declared).
@@ -41,10 +42,6 @@ class EvaluationAttention:
         return {MLA_DISABLE_ENV: "1"} if self.mla_disabled else {}
 
 
-def is_mla(text_config: dict) -> bool:
-    return bool(text_config.get("kv_lora_rank"))
-
-
 def _accepts(constraints: list, size: int) -> bool:
     return any(size == c if isinstance(c, int) else size % c.base == 0 for c in constraints)
 
@@ -66,16 +63,16 @@ def _describe(backend) -> str:
     return f"{backend.get_name()} {backend.get_supported_kernel_block_sizes()}"
 
 
-def evaluation_attention(text_config: dict, device: str) -> EvaluationAttention:
+def evaluation_attention(target: TargetShape, device: str) -> EvaluationAttention:
     """How to serve this target with an EAGLE-3 drafter on ``device``; a ServingError
     with the fix when the installed vLLM cannot."""
-    if not is_mla(text_config):
+    if not target.mla:
         return EvaluationAttention()
     mla, attention = _backends(device)
     if common_block_size(mla, attention) is not None:
         return EvaluationAttention()
     conflict = f"vLLM's {_describe(mla)} and {_describe(attention)} share no KV block size"
-    qk_head = text_config["qk_nope_head_dim"] + text_config["qk_rope_head_dim"]
+    qk_head = target.mla_query_head
     if device == "cpu" and attention.supports_head_size(qk_head):
         return EvaluationAttention(
             True,
@@ -95,13 +92,13 @@ def evaluation_attention(text_config: dict, device: str) -> EvaluationAttention:
     )
 
 
-def mla_latent_problem(text_config: dict, device: str) -> str | None:
+def mla_latent_problem(target: TargetShape, device: str) -> str | None:
     """Every server stage needs the MLA backend to take the target's latent head
     (kv_lora_rank + qk_rope_head_dim); vLLM's CPU kernel compiles only DeepSeek's 576."""
-    if not is_mla(text_config):
+    if not target.mla:
         return None
     mla, _ = _backends(device)
-    latent = text_config["kv_lora_rank"] + text_config["qk_rope_head_dim"]
+    latent = target.mla_latent
     if mla.supports_head_size(latent):
         return None
     return (

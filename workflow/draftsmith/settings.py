@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from draftsmith.run_config import RunConfig, swept
 
 # --- server options that do not change the numbers a server computes ----------------------
 # Everything else in server.extra_args / server.env is presumed to change them (--dtype,
@@ -107,30 +109,8 @@ def _operational_env(name: str) -> bool:
     return name in OPERATIONAL_SERVER_ENV or name.startswith(OPERATIONAL_ENV_PREFIXES)
 
 
-def trainer_processes(config: dict) -> int:
-    """One trainer process per GPU of the slot on cuda (it sets the global batch); 1 on cpu."""
-    return config["gpu_slot"] if config["device"] == "cuda" else 1
-
-
-def swept(value: int | list[int]) -> list[int]:
-    """A setting the evaluation sweeps: one value or a list of them, in the config's order."""
-    return list(value) if isinstance(value, list) else [value]
-
-
-def draft_lengths(config: dict) -> list[int]:
-    """``evaluation.num_speculative_tokens``: the first is the default (acceptance.json's top level)."""
-    return swept(config["evaluation"]["num_speculative_tokens"])
-
-
-def concurrencies(config: dict) -> list[int]:
-    """``evaluation.concurrency``: the first is the default (acceptance.json's top level)."""
-    return swept(config["evaluation"]["concurrency"])
-
-
-def evaluation_samplings(config: dict) -> list[dict]:
-    """Greedy, as vLLM drafts, and with ``evaluation.sampled`` the generation's sampling too."""
-    greedy = [{"temperature": 0.0}]
-    return greedy + [dict(config["generation"]["sampling"])] if config["evaluation"]["sampled"] else greedy
+def typed(config: dict) -> RunConfig:
+    return RunConfig.from_dict(config)
 
 
 # Settings that are not config keys themselves: a part of one, or a value computed from some.
@@ -138,32 +118,38 @@ def evaluation_samplings(config: dict) -> list[dict]:
 DERIVED = {
     "server.extra_args[numerics]": (
         ("server.extra_args",),
-        lambda c: [g for g in server_flag_groups(c["server"]["extra_args"]) if not _operational_flag(g)],
+        lambda c: [g for g in server_flag_groups(typed(c).server.extra_args) if not _operational_flag(g)],
     ),
     "server.extra_args[other]": (
         ("server.extra_args",),
-        lambda c: [g for g in server_flag_groups(c["server"]["extra_args"]) if _operational_flag(g)],
+        lambda c: [g for g in server_flag_groups(typed(c).server.extra_args) if _operational_flag(g)],
     ),
     "server.env[numerics]": (
         ("server.env",),
-        lambda c: {k: v for k, v in sorted(c["server"]["env"].items()) if not _operational_env(k)},
+        lambda c: {k: v for k, v in sorted(typed(c).server.env.items()) if not _operational_env(k)},
     ),
     "server.env[other]": (
         ("server.env",),
-        lambda c: {k: v for k, v in sorted(c["server"]["env"].items()) if _operational_env(k)},
+        lambda c: {k: v for k, v in sorted(typed(c).server.env.items()) if _operational_env(k)},
     ),
-    "trainer_processes": (("device", "gpu_slot"), trainer_processes),
-    "evaluation.samplings": (("evaluation.sampled", "generation.sampling"), evaluation_samplings),
+    "trainer_processes": (("device", "gpu_slot"), lambda c: typed(c).trainer_processes),
+    "evaluation.samplings": (
+        ("evaluation.sampled", "generation.sampling"),
+        lambda c: typed(c).evaluation_samplings,
+    ),
     "evaluation.default_num_speculative_tokens": (
         ("evaluation.num_speculative_tokens",),
-        lambda c: draft_lengths(c)[0],
+        lambda c: typed(c).evaluation.draft_lengths[0],
     ),
     # Unset (None) while every hidden state is stored: see MODE_SETTINGS.
-    "hidden_states.limited_budget": (("hidden_states.disk_budget",), lambda c: limited_budget(c)),
+    "hidden_states.limited_budget": (
+        ("hidden_states.disk_budget",),
+        lambda c: typed(c).hidden_states.limited_budget,
+    ),
     # Unset (None) while rows are stored as served: see MODE_SETTINGS.
     "hidden_states.fp8_storage": (
         ("hidden_states.stored_dtype",),
-        lambda c: True if stores_fp8(c) else None,
+        lambda c: True if typed(c).hidden_states.fp8 else None,
     ),
     # What computes the rows training captures on demand: the extraction server's numerics
     # and release (with no extraction stage, training is what must re-run on a change).
@@ -171,7 +157,7 @@ DERIVED = {
         ("hidden_states.disk_budget", "server.extra_args", "server.env"),
         lambda c: (
             None
-            if limited_budget(c) is None
+            if typed(c).hidden_states.limited_budget is None
             else {
                 "server": [lookup(c, key) for key in ("server.extra_args[numerics]", "server.env[numerics]")],
                 "vllm": installed_version("vllm"),
@@ -184,18 +170,6 @@ DERIVED = {
 MODE_SETTINGS = frozenset(
     {"hidden_states.limited_budget", "hidden_states.capture_numerics", "hidden_states.fp8_storage"}
 )
-
-
-def stores_fp8(config: dict) -> bool:
-    """``hidden_states.stored_dtype: fp8``: stored and captured rows hold fp8 states."""
-    return config["hidden_states"]["stored_dtype"] == "fp8"
-
-
-def limited_budget(config: dict) -> int | None:
-    """``hidden_states.disk_budget`` in bytes; None for "all" (every row stored)."""
-    from draftsmith.disk_budget import parse_budget
-
-    return parse_budget(config["hidden_states"]["disk_budget"])
 
 
 # Settings whose every value is a job of its own (the value is in the output's name): a new
@@ -432,7 +406,7 @@ RULE_ORDER = tuple(CONSUMERS)
 # --- values --------------------------------------------------------------------------------
 
 
-def lookup(config: dict, key: str) -> Any:
+def lookup(config: Mapping[str, Any], key: str) -> Any:
     """The value of a dotted key, or of a derived setting (``DERIVED``)."""
     if key in DERIVED:
         return DERIVED[key][1](config)
@@ -442,7 +416,7 @@ def lookup(config: dict, key: str) -> Any:
     return value
 
 
-def _lookup_or_none(config: dict, key: str) -> Any:
+def _lookup_or_none(config: Mapping[str, Any], key: str) -> Any:
     """A key a hand-written partial config leaves out (an optional one) counts as None."""
     try:
         return lookup(config, key)
@@ -474,7 +448,7 @@ def tracked_settings(config: dict, rule: str) -> dict[str, Any]:
     return values
 
 
-def item_settings(config: dict, rule: str) -> dict[str, Any]:
+def item_settings(config: Mapping[str, Any], rule: str) -> dict[str, Any]:
     """What each staged item of the rule depends on: staged work made under other values
     is set aside. Extent settings are left out, so more shards or epochs reuse it."""
     stage = STAGES[rule]
@@ -546,12 +520,12 @@ def reruns(setting: str) -> list[str]:
 def absent_rules(config: dict) -> set[str]:
     """Rules this config's DAG leaves out (common.smk): no demo build, no untrained
     drafter, and no extraction when nothing is stored."""
-    absent = set()
-    if not config["target"]["build_demo"]:
+    absent, run = set(), typed(config)
+    if not run.target.build_demo:
         absent.add("demo_model")
-    if not config["evaluation"]["compare_untrained"]:
+    if not run.evaluation.compare_untrained:
         absent.add("untrained_drafter")
-    if limited_budget(config) == 0:
+    if run.hidden_states.limited_budget == 0:
         absent.add("extract")
     return absent
 
@@ -570,7 +544,8 @@ def reruns_between(base: dict, changed: dict) -> set[str]:
     for key, rule in SWEPT.items():
         if set(swept(lookup(changed, key))) - set(swept(lookup(base, key))):
             found.add(rule)  # a new value is a job of its own; the others stay
-    if changed["evaluation"]["compare_untrained"] and draft_lengths(changed)[0] != draft_lengths(base)[0]:
+    after, before = typed(changed).evaluation, typed(base).evaluation
+    if after.compare_untrained and after.draft_lengths[0] != before.draft_lengths[0]:
         found.add("evaluate_untrained")  # measured at the default draft length only
     return found
 

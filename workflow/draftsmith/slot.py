@@ -11,26 +11,22 @@ from __future__ import annotations
 import os
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.run_config import RunConfig
 
 
 class GpuSlotError(DraftsmithError):
     pass
 
 
-def gpus_needed(settings: dict) -> int:
-    server = settings["server"]
-    return server["tensor_parallel_size"] * server["data_parallel_size"]
-
-
-def check_gpu_slot(settings: dict, granted: int | None) -> None:
+def check_gpu_slot(settings: RunConfig, granted: int | None) -> None:
     """Fail with the fix when the grant (or the visible GPUs) cannot hold TP x DP."""
-    if settings["device"] != "cuda":
+    if not settings.on_cuda:
         return  # CPU ranks are threads of this host, not a scheduled resource
-    needed = gpus_needed(settings)
+    needed = settings.server.gpus
     if granted is not None and granted < needed:
         raise GpuSlotError(
             f"this job was granted {granted} GPU(s) but TP x DP = {needed}; run snakemake with "
-            f"--resources gpu={max(needed, settings['gpu_slot'])} (or lower server.tensor_parallel_size)"
+            f"--resources gpu={max(needed, settings.gpu_slot)} (or lower server.tensor_parallel_size)"
         )
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and len([d for d in visible.split(",") if d.strip()]) < needed:

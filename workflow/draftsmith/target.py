@@ -11,7 +11,9 @@ same thing.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Self
 
 from draftsmith.errors import DraftsmithError
 
@@ -20,8 +22,22 @@ class TargetError(DraftsmithError):
     pass
 
 
-def read_target_config(model: str) -> dict:
+def read_target_config(model: str) -> dict[str, Any]:
     """The target's config.json (the text config of a multimodal model), or what to fix."""
+    config = _read_config_json(model)
+    text_config = config.get("text_config", config)
+    if "num_hidden_layers" not in text_config or "hidden_size" not in text_config:
+        raise TargetError(
+            f"{Path(model) / 'config.json'} has no num_hidden_layers/hidden_size; is target.model a language model?"
+        )
+    # The checkpoint's dtype may be said only at the top of a multimodal config.
+    dtype = (
+        text_config.get("dtype") or text_config.get("torch_dtype") or config.get("dtype") or config.get("torch_dtype")
+    )
+    return text_config | {"dtype": dtype}
+
+
+def _read_config_json(model: str) -> dict[str, Any]:
     path = Path(model) / "config.json"
     if not path.is_file():
         raise TargetError(
@@ -32,10 +48,57 @@ def read_target_config(model: str) -> dict:
         config = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise TargetError(f"target config {path} is unreadable ({error}); fix or re-download it") from error
-    config = config.get("text_config", config)
-    if "num_hidden_layers" not in config or "hidden_size" not in config:
-        raise TargetError(f"{path} has no num_hidden_layers/hidden_size; is target.model a language model?")
     return config
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    """The numbers of the target's (text) config the stages use, read once."""
+
+    num_hidden_layers: int
+    hidden_size: int
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    vocab_size: int | None = None
+    # Multi-head latent attention (DeepSeek-V3, Kimi): the cached latent and the rope key.
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    dtype: str | None = None  # the checkpoint's ("bfloat16"); None if it does not say
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> Self:
+        return cls(
+            config["num_hidden_layers"],
+            config["hidden_size"],
+            config.get("num_attention_heads"),
+            config.get("num_key_value_heads"),
+            config.get("head_dim"),
+            config.get("vocab_size"),
+            config.get("kv_lora_rank"),
+            config.get("qk_rope_head_dim") or 0,
+            config.get("qk_nope_head_dim") or 0,
+            config.get("dtype"),
+        )
+
+    @property
+    def mla(self) -> bool:
+        return bool(self.kv_lora_rank)
+
+    @property
+    def mla_latent(self) -> int:
+        """What MLA caches per token and layer: the latent and the rope key."""
+        return (self.kv_lora_rank or 0) + self.qk_rope_head_dim
+
+    @property
+    def mla_query_head(self) -> int:
+        """The attention head with MLA disabled (ordinary attention): nope + rope."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+def read_target_shape(model: str) -> TargetShape:
+    return TargetShape.from_dict(read_target_config(model))
 
 
 def draft_vocab_problem(draft_vocab_size: int, target_vocab_size: int | None) -> str | None:

@@ -64,11 +64,12 @@ from draftsmith.layout import (
 )
 from draftsmith.progress import log, stderr_file
 from draftsmith.records import TrainingMetrics
+from draftsmith.run_config import RunConfig
 from draftsmith.server import Endpoint, ServerSpec, counter_totals, log_tail, managed_server, read_metrics
-from draftsmith.settings import item_settings, limited_budget, stores_fp8, trainer_processes
+from draftsmith.settings import item_settings
 from draftsmith.slot import GpuSlotError, check_gpu_slot
 from draftsmith.speculators_cpu import METRICS_FILE_ENV
-from draftsmith.target import draft_vocab_problem, read_target_config
+from draftsmith.target import draft_vocab_problem, read_target_shape
 
 DRAFTER_FILES = ("config.json", "model.safetensors")  # what vLLM loads; no optimizer state
 # On a CPU only: no dataloader workers, attention without flex-attention's compiler, and
@@ -160,24 +161,25 @@ def check_hidden_states(paths: TrainPaths, split: RowSplit, stored_layers: int, 
         )
 
 
-def preflight(settings: dict, paths: TrainPaths) -> tuple[LayerPlan, RowSplit]:
-    text_config = read_target_config(settings["target"]["model"])
-    if problem := draft_vocab_problem(settings["training"]["draft_vocab_size"], text_config.get("vocab_size")):
+def preflight(settings: RunConfig, paths: TrainPaths) -> tuple[LayerPlan, RowSplit]:
+    target = read_target_shape(settings.target.model)
+    if problem := draft_vocab_problem(settings.training.draft_vocab_size, target.vocab_size):
         raise TrainError(problem)
-    plan = resolve_layers(list(settings["layers"]), text_config["num_hidden_layers"])
+    plan = resolve_layers(list(settings.layers), target.num_hidden_layers)
     check_dataset(paths.dataset)
+    hidden_states = settings.hidden_states
     split = row_split(
-        paths.dataset, limited_budget(settings), len(plan.vllm_ids), text_config["hidden_size"], stores_fp8(settings)
+        paths.dataset, hidden_states.limited_budget, len(plan.vllm_ids), target.hidden_size, hidden_states.fp8
     )
-    check_hidden_states(paths, split, len(plan.vllm_ids), text_config["hidden_size"])
+    check_hidden_states(paths, split, len(plan.vllm_ids), target.hidden_size)
     log(f"checked: {split.describe()}, aux vLLM ids {plan.aux_vllm_ids}")
     return plan, split
 
 
-def training_processes(settings: dict, granted: int | None) -> int:
+def training_processes(settings: RunConfig, granted: int | None) -> int:
     """One trainer process per GPU of the slot; 1 on CPU (the count settings.py tracks)."""
-    slot = trainer_processes(settings)
-    if settings["device"] != "cuda":
+    slot = settings.trainer_processes
+    if not settings.on_cuda:
         return slot
     check_gpu_slot(settings, granted)
     if granted is not None and granted < slot:
@@ -193,30 +195,30 @@ def training_processes(settings: dict, granted: int | None) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def speculators_args(settings: dict, plan: LayerPlan, paths: TrainPaths, captures: bool = False) -> list[str]:
+def speculators_args(settings: RunConfig, plan: LayerPlan, paths: TrainPaths, captures: bool = False) -> list[str]:
     """Arguments of `speculators train` (flags from DESIGN.md's CPU and H200 runs);
     ``captures``: rows without a file are asked of the capture server."""
-    training = settings["training"]
+    training = settings.training
     argv = [
         "--verifier-name-or-path",
-        settings["target"]["model"],
+        settings.target.model,
         # The auxiliary ids only: the last stored layer is the training target.
         "--target-layer-ids",
         *map(str, plan.aux_vllm_ids),
         "--token-freq-path",
         str(paths.dataset / TOKEN_FREQUENCIES),
         "--draft-vocab-size",
-        str(training["draft_vocab_size"]),
+        str(training.draft_vocab_size),
         "--num-layers",
-        str(training["num_layers"]),
+        str(training.num_layers),
         "--epochs",
-        str(training["epochs"]),
+        str(training.epochs),
         "--lr",
-        str(training["lr"]),
+        str(training.lr),
         "--total-seq-len",
-        str(training["total_seq_len"]),
+        str(training.total_seq_len),
         "--seed",
-        str(training["seed"]),
+        str(training.seed),
         "--save-path",
         str(paths.checkpoints),
         "--data-path",
@@ -225,26 +227,26 @@ def speculators_args(settings: dict, plan: LayerPlan, paths: TrainPaths, capture
         str(paths.hidden_states),
         *(["--on-missing", "generate", "--vllm-endpoint", CAPTURE_ENDPOINT] if captures else ["--on-missing", "raise"]),
         # fp8 rows (stored and captured) are dequantized to bf16 as they are loaded.
-        *(["--hidden-states-backend", "fp8"] if stores_fp8(settings) else []),
+        *(["--hidden-states-backend", "fp8"] if settings.hidden_states.fp8 else []),
         "--loss-implementation",
         "eager",  # the fused Triton loss crashed under torch.compile
     ]
-    if settings["device"] == "cpu":
+    if settings.device == "cpu":
         argv += CPU_TRAINER_FLAGS
-    if settings["target"]["trust_remote_code"]:
+    if settings.target.trust_remote_code:
         argv.append("--trust-remote-code")
-    return argv + list(training["extra_args"])
+    return argv + list(training.extra_args)
 
 
-def launcher(settings: dict, processes: int) -> list[str]:
+def launcher(settings: RunConfig, processes: int) -> list[str]:
     entry = ["-m", "draftsmith.speculators_cpu", "train"]
-    if settings["device"] != "cuda":
+    if not settings.on_cuda:
         return [sys.executable, *entry]
     # --standalone: a private rendezvous on a free port, so two jobs on a host never collide.
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes), *entry]
 
 
-def train_command(settings: dict, plan: LayerPlan, paths: TrainPaths, processes: int, captures: bool) -> list[str]:
+def train_command(settings: RunConfig, plan: LayerPlan, paths: TrainPaths, processes: int, captures: bool) -> list[str]:
     return launcher(settings, processes) + speculators_args(settings, plan, paths, captures)
 
 
@@ -253,7 +255,7 @@ def with_endpoint(command: list[str], endpoint: Endpoint | None) -> list[str]:
 
 
 @contextlib.contextmanager
-def capture_server(settings: dict, paths: TrainPaths, split: RowSplit) -> Iterator[Endpoint | None]:
+def capture_server(settings: RunConfig, paths: TrainPaths, split: RowSplit) -> Iterator[Endpoint | None]:
     """The extraction server, for the rows past the disk budget (None when all are stored).
     Its files are deleted by speculators as it loads them; what a crash left goes here."""
     if split.captured == 0:
@@ -266,8 +268,8 @@ def capture_server(settings: dict, paths: TrainPaths, split: RowSplit) -> Iterat
     paths.capture.mkdir(parents=True)
     # Its numerics are the extraction server's; only its access log (a line per row) is off.
     extra = [*extraction_server_args(plan, paths.capture, shape), "--disable-uvicorn-access-log"]
-    if settings["device"] == "cuda":  # the trainer shares the GPUs: the server takes its share only
-        extra += ["--gpu-memory-utilization", str(settings["hidden_states"]["capture_memory_fraction"])]
+    if settings.on_cuda:  # the trainer shares the GPUs: the server takes its share only
+        extra += ["--gpu-memory-utilization", str(settings.hidden_states.capture_memory_fraction)]
     log(f"{split.describe()}: starting the capture server")
     try:
         with managed_server(ServerSpec.from_config(settings, extra_args=extra), api_key=CAPTURE_API_KEY) as endpoint:
@@ -495,18 +497,18 @@ def capture_requests(endpoint: Endpoint) -> int:
 
 
 def publish(
-    settings: dict, plan: LayerPlan, paths: TrainPaths, epoch_dir: Path, rows: tuple[RowSplit, int] | None = None
+    plan: LayerPlan, paths: TrainPaths, epoch_dir: Path, split: RowSplit | None = None, capture_requests: int = 0
 ) -> None:
-    """``rows``: where the rows came from (stored or captured) and the capture requests made."""
+    """``split``: where the rows came from (stored or captured); ``capture_requests``: the
+    requests the capture server answered."""
     partial = paths.staging / "drafter.partial"
     shutil.rmtree(partial, ignore_errors=True)
     stage_drafter(epoch_dir, plan, partial)
     published = int(epoch_dir.name) if epoch_dir.name.isdigit() else None  # None: untrained
     metrics = TrainingMetrics(published, epoch_metrics(paths.metrics))
-    if rows is not None:
-        split, requests = rows
+    if split is not None:
         metrics = dataclasses.replace(
-            metrics, rows_stored=split.stored, rows_captured_per_epoch=split.captured, capture_requests=requests
+            metrics, rows_stored=split.stored, rows_captured_per_epoch=split.captured, capture_requests=capture_requests
         )
     metrics.write(partial)
     publish_directory(partial, paths.output)
@@ -526,7 +528,7 @@ def link_dataset_view(paths: TrainPaths) -> None:
         (paths.dataset_view / path.name).symlink_to(path.resolve())
 
 
-def run(settings: dict, paths: TrainPaths, granted: int | None = None, untrained: bool = False) -> None:
+def run(settings: RunConfig, paths: TrainPaths, granted: int | None = None, untrained: bool = False) -> None:
     processes = training_processes(settings, granted)
     plan, split = preflight(settings, paths)
     captures = split.captured > 0 and not untrained  # a dry run reads no data
@@ -537,20 +539,20 @@ def run(settings: dict, paths: TrainPaths, granted: int | None = None, untrained
         # speculators' dry run: the same drafter, initialized and saved, never trained. The
         # evaluation serves it as the baseline that training must clearly beat.
         shutil.rmtree(paths.checkpoints, ignore_errors=True)
-        run_trainer([*command, "--dry-run"], paths.metrics, settings["training"]["stall_timeout_s"])
-        publish(settings, plan, paths, paths.checkpoints)
+        run_trainer([*command, "--dry-run"], paths.metrics, settings.training.stall_timeout_s)
+        publish(plan, paths, paths.checkpoints)
         return
     args = speculators_args(settings, plan, paths, captures)
-    software = item_settings(settings, "train")["software"]
-    reset_if_changed(paths, args, settings["training"]["epochs"], software)
+    software = item_settings(settings.source, "train")["software"]
+    reset_if_changed(paths, args, settings.training.epochs, software)
     drop_unfinished_epoch(paths.checkpoints)
     requests = 0
     with capture_server(settings, paths, split) as endpoint:
-        run_trainer(with_endpoint(command, endpoint), paths.metrics, settings["training"]["stall_timeout_s"])
+        run_trainer(with_endpoint(command, endpoint), paths.metrics, settings.training.stall_timeout_s)
         if endpoint is not None:
             requests = capture_requests(endpoint)
             log(f"the capture server answered {requests} requests for rows past the disk budget")
-    publish(settings, plan, paths, chosen_epoch(paths.checkpoints), (split, requests))
+    publish(plan, paths, chosen_epoch(paths.checkpoints), split, requests)
 
 
 def main(argv: list[str] | None = None) -> None:

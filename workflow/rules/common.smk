@@ -5,22 +5,20 @@ from snakemake.exceptions import WorkflowError
 
 from draftsmith.layout import Layout
 from draftsmith.questions import is_local_source
-from draftsmith.settings import draft_lengths, dumps, limited_budget, tracked_settings
+from draftsmith.settings import dumps, tracked_settings
 
-LAYOUT = Layout(config["results_dir"])
+LAYOUT = Layout(RUN.results_dir)
 RESULTS = str(LAYOUT.results)
 # Every job reads the whole config from this file (written at each start), and sees only
 # the keys its rule declares in draftsmith/settings.py; params carry what is tracked.
 RUN_CONFIG = str(LAYOUT.run_config)
 # For `--sdm conda`; relative to the rule files.
-CONDA_ENV = f"../../envs/{'cpu' if config['device'] == 'cpu' else 'gpu'}.yaml"
+CONDA_ENV = f"../../envs/{'cpu' if RUN.device == 'cpu' else 'gpu'}.yaml"
 
-QUESTION_SHARDS = list(range(config["questions"]["shards"]))
+QUESTION_SHARDS = list(range(RUN.questions.shards))
 # A disk budget of 0 stores no hidden states: training captures every row, nothing extracts.
-STORES_HIDDEN_STATES = limited_budget(config) != 0
-EXTRACTION_SHARDS = (
-    list(range(config["extraction"]["shards"])) if STORES_HIDDEN_STATES else []
-)
+STORES_HIDDEN_STATES = RUN.hidden_states.limited_budget != 0
+EXTRACTION_SHARDS = list(range(RUN.extraction.shards)) if STORES_HIDDEN_STATES else []
 
 
 def path(location):
@@ -46,12 +44,12 @@ def tracked(rule):
 
 def target_model_input():
     """The demo's target is built by a rule; a production target is a path we only read."""
-    return [config["target"]["model"]] if config["target"]["build_demo"] else []
+    return [RUN.target.model] if RUN.target.build_demo else []
 
 
 def questions_source_input():
     """A local question file is an input (editing it re-runs); a hub id is not a file."""
-    source = config["questions"]["source"]
+    source = RUN.questions.source
     return [source] if is_local_source(source) else []
 
 
@@ -65,7 +63,7 @@ def extraction_shards():
 
 def evaluation_set_inputs():
     """The sets' local files are inputs (editing one re-runs the evaluation); hub ids are not."""
-    sources = [spec["source"] for spec in config["evaluation"]["sets"].values()]
+    sources = [spec.source for spec in RUN.evaluation.sets.values()]
     return [source for source in sources if is_local_source(source)]
 
 
@@ -81,17 +79,17 @@ def every_core():
 def measurement_threads():
     """A throughput measurement runs alone: on a CPU host it takes every core, so no other
     job shares them (on GPUs the slot already keeps measurements apart)."""
-    return every_core() if config["device"] == "cpu" else 1
+    return every_core() if RUN.device == "cpu" else 1
 
 
 def drafter_measurements():
-    return [path(LAYOUT.drafter_measurement(k)) for k in draft_lengths(config)]
+    return [path(LAYOUT.drafter_measurement(k)) for k in RUN.evaluation.draft_lengths]
 
 
 def untrained_measurement_input():
     """The untrained drafter, measured at the default (first) draft length."""
-    if config["evaluation"]["compare_untrained"]:
-        return [path(LAYOUT.untrained_measurement(draft_lengths(config)[0]))]
+    if RUN.evaluation.compare_untrained:
+        return [path(LAYOUT.untrained_measurement(RUN.evaluation.draft_lengths[0]))]
     return []
 
 

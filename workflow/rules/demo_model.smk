@@ -1,8 +1,8 @@
-if config["target"]["build_demo"]:
+if RUN.target.build_demo:
 
     rule demo_model:
         output:
-            directory(config["target"]["model"]),
+            directory(RUN.target.model),
         log:
             log_path("demo_model"),
         benchmark:
@@ -14,8 +14,8 @@ if config["target"]["build_demo"]:
         threads: every_core()
         params:
             tracked=tracked("demo_model"),
-            steps=config["target"]["demo_train_steps"],
-            architecture=config["target"]["demo_architecture"],
+            steps=RUN.target.demo_train_steps,
+            architecture=RUN.target.demo_architecture,
         shell:
             "python -m draftsmith.demo_model --output {output:q} --architecture {params.architecture}"
             " --train-seconds 0 --max-steps {params.steps} --seed 0 > {log:q} 2>&1"

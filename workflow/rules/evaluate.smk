@@ -33,7 +33,7 @@ rule evaluate_baseline:
         CONDA_ENV
     threads: measurement_threads()
     resources:
-        gpu=config["gpu_slot"],
+        gpu=RUN.gpu_slot,
     params:
         tracked=tracked("evaluate_baseline"),
         config=RUN_CONFIG,
@@ -61,7 +61,7 @@ rule evaluate_drafter:
         CONDA_ENV
     threads: measurement_threads()
     resources:
-        gpu=config["gpu_slot"],
+        gpu=RUN.gpu_slot,
     params:
         tracked=tracked("evaluate_drafter"),
         config=RUN_CONFIG,

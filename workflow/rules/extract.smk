@@ -11,12 +11,12 @@ rule extract:
     conda:
         CONDA_ENV
     resources:
-        gpu=config["gpu_slot"],
+        gpu=RUN.gpu_slot,
     params:
         tracked=tracked("extract"),
         config=RUN_CONFIG,
         staging=staging("hidden_states", "{shard}"),
-        num_shards=config["extraction"]["shards"],
+        num_shards=RUN.extraction.shards,
     shell:
         "python -m draftsmith.extract --settings {params.config:q}"
         " --dataset {input.dataset:q} --shard {wildcards.shard} --num-shards {params.num_shards}"

@@ -11,7 +11,7 @@ rule generate:
     conda:
         CONDA_ENV
     resources:
-        gpu=config["gpu_slot"],
+        gpu=RUN.gpu_slot,
     params:
         tracked=tracked("generate"),
         config=RUN_CONFIG,

@@ -12,7 +12,7 @@ rule train:
     conda:
         CONDA_ENV
     resources:
-        gpu=config["gpu_slot"],
+        gpu=RUN.gpu_slot,
     params:
         tracked=tracked("train"),
         config=RUN_CONFIG,
