@@ -8,6 +8,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.guard import stop_with_launcher
@@ -18,7 +19,7 @@ from draftsmith.settings import stage_view
 SETTINGS_HELP = "the config as JSON text, or the path of a JSON file (the run's results/.staging/config.json)"
 
 
-def read_config(value: str) -> dict:
+def read_config(value: str) -> dict[str, Any]:
     """``--settings``: JSON text, or the path of the run config the workflow writes."""
     return json.loads(value if value.lstrip().startswith("{") else Path(value).read_text())
 

@@ -15,6 +15,7 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -176,7 +177,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def render(
-    tokenizer: PreTrainedTokenizerFast, messages: list[dict], *, add_generation_prompt: bool = False
+    tokenizer: PreTrainedTokenizerFast, messages: list[dict[str, Any]], *, add_generation_prompt: bool = False
 ) -> list[int]:
     """Token ids of a chat rendered by the tokenizer's own template."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
@@ -188,12 +189,12 @@ def render(
 # ---------------------------------------------------------------------------------------------
 
 
-def question_rows(count: int = 1200, *, seed: int = 0, duplicates: int = 8) -> list[dict]:
+def question_rows(count: int = 1200, *, seed: int = 0, duplicates: int = 8) -> list[dict[str, Any]]:
     """`count` distinct questions in the three input shapes the questions stage accepts,
     plus `duplicates` exact copies of earlier rows (the stage must drop them)."""
     rng = random.Random(f"questions-{seed}")  # separate stream from the training data
     seen: set[str] = set()
-    rows: list[dict] = []
+    rows: list[dict[str, Any]] = []
     attempts = 0
     while len(rows) < count:
         attempts += 1

@@ -73,7 +73,9 @@ def spec_decode_counters(metrics_text: str) -> dict[str, Any]:
     return {name: totals[f"{SPEC_METRIC_PREFIX}{name}_total"] for name in names}
 
 
-async def run_phase(stage: ServerStage[int], endpoint: Endpoint, prompts: list[dict], phase: Phase, label: str) -> None:
+async def run_phase(
+    stage: ServerStage[int], endpoint: Endpoint, prompts: list[dict[str, Any]], phase: Phase, label: str
+) -> None:
     """Send the phase's prompts, ``phase.concurrency`` at a time, and tally the answers."""
     progress = Progress(f"{label}, set {phase.set}, concurrency {phase.concurrency}", len(prompts))
     async with open_session(endpoint, phase.concurrency, stage.policy.timeout_s) as session:
@@ -104,13 +106,13 @@ async def run_phase(stage: ServerStage[int], endpoint: Endpoint, prompts: list[d
     )
 
 
-def sampling_label(sampling: dict) -> str:
+def sampling_label(sampling: dict[str, Any]) -> str:
     return "greedy" if not sampling.get("temperature") else f"temperature {sampling['temperature']}"
 
 
 def measure(
     stage: ServerStage[int],
-    prompts: list[dict],
+    prompts: list[dict[str, Any]],
     drafter: Path | None,
     k: int | None,
     attention: EvaluationAttention,
@@ -126,7 +128,7 @@ def measure(
     spec = ServerSpec.from_config(settings, extra_args=extra)
     spec = dataclasses.replace(spec, env={**spec.env, **attention.server_env()})
     label = "target alone" if drafter is None else f"{drafter.name}, k={k}"
-    by_set: dict[str, list[dict]] = defaultdict(list)
+    by_set: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for prompt in prompts:
         by_set[prompt["set"]].append(prompt)
     samplings, levels = settings.evaluation_samplings, settings.evaluation.concurrencies
@@ -188,7 +190,7 @@ def acceptance_length(tally: Tally) -> float:
     return 1.0 + sum(j * n for j, n in enumerate(tally.histogram)) / steps if steps else 1.0
 
 
-def check_against_server(phases: list[Phase], counters: dict, drafter: Path, retried: int = 0) -> None:
+def check_against_server(phases: list[Phase], counters: dict[str, Any], drafter: Path, retried: int = 0) -> None:
     """The per-request records must add up to the server's own counters: a response field
     that changed shape would otherwise skew every number silently. After ``retried``
     requests the server may hold drafts of attempts whose responses never arrived, and the
@@ -219,7 +221,7 @@ def check_against_server(phases: list[Phase], counters: dict, drafter: Path, ret
     )
 
 
-def speculative_config(drafter: Path, num_speculative_tokens: int) -> dict:
+def speculative_config(drafter: Path, num_speculative_tokens: int) -> dict[str, Any]:
     """The value of vLLM's ``--speculative-config`` that serves ``drafter``."""
     return {
         "model": str(drafter.resolve()),

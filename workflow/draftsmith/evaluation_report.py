@@ -6,6 +6,7 @@ from __future__ import annotations
 import html
 import json
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -16,7 +17,7 @@ from draftsmith.evaluation_sets import WHOLE_SET  # noqa: E402
 from draftsmith.report import save_figure  # noqa: E402
 
 
-def choice_text(row: dict) -> str:
+def choice_text(row: dict[str, Any]) -> str:
     """How the draft length was chosen, in words."""
     if row["chosen_by"] == "throughput":
         return "fastest beyond noise"
@@ -28,7 +29,7 @@ def sampling_name(value: float) -> str:
     return "greedy" if value == 0 else f"T={value:g}"
 
 
-def plot_acceptance(result: dict, path: Path) -> None:
+def plot_acceptance(result: dict[str, Any], path: Path) -> None:
     """Left: the held-out set per position, trained vs untrained. Right: every set and category
     per position at the longest draft length."""
     longest = max(row["num_speculative_tokens"] for row in result["results"])
@@ -75,7 +76,7 @@ def plot_acceptance(result: dict, path: Path) -> None:
     save_figure(figure, path)
 
 
-def plot_speedup(result: dict, path: Path) -> None:
+def plot_speedup(result: dict[str, Any], path: Path) -> None:
     """Throughput over all sets against concurrency: speedup per draft length, and tokens/s."""
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     temperatures = sorted({r["temperature"] for r in result["recommendation"]})
@@ -120,7 +121,7 @@ def plot_speedup(result: dict, path: Path) -> None:
     save_figure(figure, path)
 
 
-def tables_html(result: dict) -> str:
+def tables_html(result: dict[str, Any]) -> str:
     """The recommendation and the per-set results, for the report."""
     recommendation = [
         [
@@ -201,14 +202,14 @@ def _plus_minus(value: float, spread: float) -> str:
     return f"{value:g} ± {spread:g}"
 
 
-def _row_speed(row: dict) -> str:
+def _row_speed(row: dict[str, Any]) -> str:
     """A set's throughput, or a category's per-request speed, with its spread."""
     if "tokens_per_s_with_drafter" in row:
         return _plus_minus(row["tokens_per_s_with_drafter"], row["tokens_per_s_with_drafter_spread"])
     return _plus_minus(row["request_tokens_per_s_with_drafter"], row["request_tokens_per_s_with_drafter_spread"])
 
 
-def _table(header: list[str], rows: list[list]) -> str:
+def _table(header: list[str], rows: list[list[Any]]) -> str:
     head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>" for row in rows)
     return f"<table><tr>{head}</tr>{body}</table>"

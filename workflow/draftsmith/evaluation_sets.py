@@ -33,7 +33,7 @@ class EvaluationSetError(DraftsmithError):
     pass
 
 
-def read_prompts(path: Path) -> list[dict]:
+def read_prompts(path: Path) -> list[dict[str, Any]]:
     """The prompts file this module writes."""
     with path.open(encoding="utf-8") as handle:
         return [json.loads(line) for line in handle if line.strip()]
@@ -43,7 +43,7 @@ def _as_prompt(row: Any, field: str) -> Any:
     return {**row, "prompt": row.get(field)} if isinstance(row, dict) else row
 
 
-def _category(row: dict, field: str | None) -> str:
+def _category(row: dict[str, Any], field: str | None) -> str:
     value = row.get(field) if field else None
     return NO_CATEGORY if value in (None, "") else str(value)
 
@@ -71,7 +71,7 @@ def set_prompts(name: str, spec: EvaluationSetSettings) -> list[dict[str, Any]]:
     return prompts
 
 
-def heldout_prompts(path: Path, limit: int | None) -> list[dict]:
+def heldout_prompts(path: Path, limit: int | None) -> list[dict[str, Any]]:
     prompts = [{"set": HELDOUT, "category": NO_CATEGORY, **row} for row in read_prompts(path)]
     if not prompts:
         raise EvaluationSetError(f"{path} holds no held-out questions; set questions.heldout ≥ 1")

@@ -77,7 +77,7 @@ def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 3) if b else None
 
 
-def result_rows(drafter: Measurement, baseline: Measurement) -> list[dict]:
+def result_rows(drafter: Measurement, baseline: Measurement) -> list[dict[str, Any]]:
     """One row per set (category ``*``) and per category of a set that has several, for
     every phase of one drafter job, against the baseline's same phase."""
     k = drafter_length(drafter)
@@ -122,7 +122,7 @@ def result_rows(drafter: Measurement, baseline: Measurement) -> list[dict]:
     return rows
 
 
-def _acceptance(tally: Tally, k: int) -> dict:
+def _acceptance(tally: Tally, k: int) -> dict[str, Any]:
     return {
         "requests": tally.requests,
         "completion_tokens": tally.completion_tokens,
@@ -131,7 +131,7 @@ def _acceptance(tally: Tally, k: int) -> dict:
     }
 
 
-def _request_speeds(tally: Tally, base: Tally | None) -> dict:
+def _request_speeds(tally: Tally, base: Tally | None) -> dict[str, Any]:
     """A category's speed per request (it shares its set's wall time with the others)."""
     with_drafter = _speed(tally.completion_tokens, tally.request_seconds)
     without = _speed(base.completion_tokens, base.request_seconds) if base else 0.0
@@ -173,7 +173,7 @@ def pooled(job: Measurement) -> dict[tuple[float, int], Pooled]:
     return measured
 
 
-def recommend(drafters: dict[int, Measurement], baseline: Measurement) -> list[dict]:
+def recommend(drafters: dict[int, Measurement], baseline: Measurement) -> list[dict[str, Any]]:
     """For each (sampling, concurrency): the fastest draft length over all sets, or, of those
     within noise of it, the one with the longest acceptance (ties: the shorter draft)."""
     alone = pooled(baseline)
@@ -212,7 +212,7 @@ def _default_measurement(job: Measurement, concurrency: int) -> tuple[Phase, Tal
 
 def legacy_fields(
     drafter: Measurement, baseline: Measurement, untrained: Measurement | None, k: int, concurrency: int
-) -> dict:
+) -> dict[str, Any]:
     """acceptance.json's top level as before: held-out, default draft length and concurrency, greedy."""
     phase, tally = _default_measurement(drafter, concurrency)
     base_phase, base = _default_measurement(baseline, concurrency)
@@ -244,7 +244,7 @@ def legacy_fields(
     return result
 
 
-def _measurement(tally: Tally, seconds: float, k: int) -> dict:
+def _measurement(tally: Tally, seconds: float, k: int) -> dict[str, Any]:
     steps = sum(tally.histogram)
     return {
         "requests": tally.requests,
@@ -276,7 +276,7 @@ def run(
     drafter_jobs: list[Path],
     untrained: Path | None,
     outputs: dict[str, Path],
-) -> dict:
+) -> dict[str, Any]:
     drafters = {drafter_length(job): job for job in map(Measurement.read, drafter_jobs)}
     untrained_job = Measurement.read(untrained) if untrained else None
     result = summarize(settings, Measurement.read(baseline), drafters, untrained_job)

@@ -97,7 +97,7 @@ def load_records(path: Path) -> dict[str, dict[str, Any]]:
     return read_records(path)
 
 
-def adopt_from_other_shards(staging: Path, questions: list[dict[str, Any]], done: dict) -> None:
+def adopt_from_other_shards(staging: Path, questions: list[dict[str, Any]], done: dict[str, Any]) -> None:
     """After a re-sharding, answers to this shard's questions may sit in another shard's
     staging (made under the same settings): copy them here, and into ``done``, instead of
     asking again."""

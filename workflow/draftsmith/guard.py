@@ -104,7 +104,7 @@ def guarded(command: list[str]) -> list[str]:
     return [sys.executable, "-m", "draftsmith.guard", "--", *command]
 
 
-def stop_process_group(process: subprocess.Popen, grace_s: float = 30.0) -> None:
+def stop_process_group(process: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
     """From the job's side: SIGTERM the guarded group, then SIGKILL what is left."""
     if process.poll() is None:
         try:

@@ -82,7 +82,7 @@ def _measured_tokens(results: Path) -> tuple[int, int, int] | None:
     return answers, prompt, completion
 
 
-def _done(layout: Layout) -> dict:
+def _done(layout: Layout) -> dict[str, Any]:
     """What exists in this config's results_dir (and nowhere else)."""
     return {
         "generation_shards_done": len(layout.completion_shards()),
@@ -191,7 +191,7 @@ def configured_mode(plan: dict[str, Any], settings: RunConfig) -> dict[str, Any]
     return next(mode for mode in plan["storage_modes"] if mode["mode"] == name)
 
 
-def fitting_budget(plan: dict) -> str | None:
+def fitting_budget(plan: dict[str, Any]) -> str | None:
     """The budget to suggest when offline does not fit the free disk, as the config spells it."""
     fits = [mode for mode in plan["storage_modes"] if "budget_bytes" in mode]
     return f'"{human_bytes(fits[0]["budget_bytes"])}"' if fits else None
@@ -211,7 +211,7 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def storage_rows(plan: dict) -> list[tuple[str, str]]:
+def storage_rows(plan: dict[str, Any]) -> list[tuple[str, str]]:
     """A line per way to hold the hidden states, and which budget fits when offline does not."""
     rows = [("hidden states on disk (mode)", "stored / peak disk / capture passes / model loads (extract + capture)")]
     for mode in plan["storage_modes"]:
@@ -234,7 +234,7 @@ def storage_rows(plan: dict) -> list[tuple[str, str]]:
     return rows
 
 
-def format_plan(plan: dict) -> str:
+def format_plan(plan: dict[str, Any]) -> str:
     done = plan["done"]
     loads = plan["model_loads"]
     rows = [

@@ -33,6 +33,7 @@ import typing
 from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 from draftsmith import vllm_cpu_amx, vllm_cpu_rope, vllm_cpu_sampling
 from draftsmith.atomic import atomic_write_text
@@ -55,7 +56,7 @@ from draftsmith.target import TargetShape, draft_vocab_problem, read_target_shap
 PACKAGE = Path(__file__).resolve().parent
 
 
-def declared(name: str) -> list:
+def declared(name: str) -> list[Any]:
     """The concatenated values of every draftsmith module's top-level ``name = [...]``."""
     values = []
     for module in sorted(PACKAGE.glob("*.py")):

@@ -185,11 +185,11 @@ def first_row_problem(source: str, split: str = "train", subset: str | None = No
 
 
 def collect_questions(
-    rows: Iterable[Any], limit: int | None, kept_rows: list | None = None
-) -> tuple[list[Question], Counter]:
+    rows: Iterable[Any], limit: int | None, kept_rows: list[Any] | None = None
+) -> tuple[list[Question], Counter[str]]:
     """Deduplicated questions in source order, and counts of what was dropped and why.
     ``kept_rows``, if given, receives the source row of each question (its other fields)."""
-    counts: Counter = Counter()
+    counts: Counter[str] = Counter[str]()
     seen: set[str] = set()
     questions: list[Question] = []
     for row in rows:

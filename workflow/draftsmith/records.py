@@ -95,7 +95,7 @@ class Tally:
     speed_sum: float = 0.0
     speed_squares: float = 0.0
 
-    def add(self, response: dict, seconds: float) -> None:
+    def add(self, response: dict[str, Any], seconds: float) -> None:
         tokens = response["usage"]["completion_tokens"]
         self.requests += 1
         self.completion_tokens += tokens
@@ -119,7 +119,7 @@ class Phase:
 
     set: str
     concurrency: int
-    sampling: dict
+    sampling: dict[str, Any]
     seconds: float = 0.0
     categories: dict[str, Tally] = field(default_factory=lambda: defaultdict(Tally))
 

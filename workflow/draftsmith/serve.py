@@ -39,13 +39,13 @@ class ServeError(DraftsmithError):
     pass
 
 
-def read_json(path: Path, what: str, fix: str) -> dict:
+def read_json(path: Path, what: str, fix: str) -> dict[str, Any]:
     if not path.is_file():
         raise ServeError(f"{what} {path} not found: {fix}")
     return json.loads(path.read_text())
 
 
-def speculative_config(results: Layout, num_speculative_tokens: int | None) -> dict:
+def speculative_config(results: Layout, num_speculative_tokens: int | None) -> dict[str, Any]:
     """The recommended serving config, or the same drafter at another draft length."""
     config = read_json(
         results.speculative_config,

@@ -180,7 +180,9 @@ def _is_healthy(endpoint: Endpoint) -> bool:
         return False
 
 
-def wait_until_healthy(process: subprocess.Popen, endpoint: Endpoint, log_path: Path | None, timeout_s: float) -> None:
+def wait_until_healthy(
+    process: subprocess.Popen[bytes], endpoint: Endpoint, log_path: Path | None, timeout_s: float
+) -> None:
     """Poll /health; fail fast with the log tail if the process dies or time runs out."""
     started = time.monotonic()
     last_report = started
@@ -220,7 +222,7 @@ class DeathWatch:
     question. With it the stage stops within a second and says why. SIGINT reaches
     the main thread wherever it is (asyncio.run cancels its tasks on it)."""
 
-    def __init__(self, process: subprocess.Popen):
+    def __init__(self, process: subprocess.Popen[bytes]):
         self.process = process
         self.expected = False
         self.died = False

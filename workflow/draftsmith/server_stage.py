@@ -131,7 +131,7 @@ class ServerStage(Generic[Item]):
     async def request_all(
         self,
         items: Sequence[Item],
-        request: Request,
+        request: Request[Item],
         progress: Progress,
         *,
         concurrency: int | None = None,
@@ -171,7 +171,7 @@ class ServerStage(Generic[Item]):
             raise group_error.exceptions[0] from None
         return failures
 
-    async def _with_retries(self, item: Item, request: Request) -> tuple[dict[str, int] | None, str | None]:
+    async def _with_retries(self, item: Item, request: Request[Item]) -> tuple[dict[str, int] | None, str | None]:
         attempts, number = self.policy.max_retries + 1, 0
         while True:
             number += 1

@@ -15,6 +15,7 @@ not from a list of versions: an upgrade that adds a common size turns this off b
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.target import TargetShape
@@ -42,7 +43,7 @@ class EvaluationAttention:
         return {MLA_DISABLE_ENV: "1"} if self.mla_disabled else {}
 
 
-def _accepts(constraints: list, size: int) -> bool:
+def _accepts(constraints: list[Any], size: int) -> bool:
     return any(size == c if isinstance(c, int) else size % c.base == 0 for c in constraints)
 
 

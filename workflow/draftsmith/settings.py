@@ -109,7 +109,7 @@ def _operational_env(name: str) -> bool:
     return name in OPERATIONAL_SERVER_ENV or name.startswith(OPERATIONAL_ENV_PREFIXES)
 
 
-def typed(config: dict) -> RunConfig:
+def typed(config: dict[str, Any]) -> RunConfig:
     return RunConfig.from_dict(config)
 
 
@@ -438,7 +438,7 @@ def installed_version(name: str) -> str:
     return "not installed"
 
 
-def tracked_settings(config: dict, rule: str) -> dict[str, Any]:
+def tracked_settings(config: dict[str, Any], rule: str) -> dict[str, Any]:
     """What the rule's params carry: a change of any of these re-runs it."""
     stage = STAGES[rule]
     values = {key: lookup(config, key) for key in stage.tracked}
@@ -458,7 +458,7 @@ def item_settings(config: Mapping[str, Any], rule: str) -> dict[str, Any]:
     return values
 
 
-def stage_view(config: dict, rule: str) -> dict:
+def stage_view(config: dict[str, Any], rule: str) -> dict[str, Any]:
     """The config restricted to what the rule declares: reading any other key is a KeyError,
     so a stage cannot depend on a setting its rule does not account for. Keys absent
     from ``config`` (a hand-written partial config) are left out."""
@@ -466,7 +466,7 @@ def stage_view(config: dict, rule: str) -> dict:
     declared = stage.shaping + stage.extent + stage.operational
     if EVERYTHING[0] in declared:
         return copy.deepcopy(config)
-    view: dict = {}
+    view: dict[str, Any] = {}
     for key in {real for setting in declared for real in config_keys(setting)}:
         source, target, *path = config, view, *key.split(".")
         for part in path[:-1]:
@@ -479,7 +479,7 @@ def stage_view(config: dict, rule: str) -> dict:
     return view
 
 
-def dumps(values: dict) -> str:
+def dumps(values: dict[str, Any]) -> str:
     """Params as Snakemake stores them: one stable string."""
     return json.dumps(values, sort_keys=True)
 
@@ -517,7 +517,7 @@ def reruns(setting: str) -> list[str]:
     return [rule for rule in RULE_ORDER if rule in found]
 
 
-def absent_rules(config: dict) -> set[str]:
+def absent_rules(config: dict[str, Any]) -> set[str]:
     """Rules this config's DAG leaves out (common.smk): no demo build, no untrained
     drafter, and no extraction when nothing is stored."""
     absent, run = set(), typed(config)
@@ -530,7 +530,7 @@ def absent_rules(config: dict) -> set[str]:
     return absent
 
 
-def reruns_between(base: dict, changed: dict) -> set[str]:
+def reruns_between(base: dict[str, Any], changed: dict[str, Any]) -> set[str]:
     """The rules a finished run of ``base`` re-runs when its config becomes ``changed`` (both
     validated): those whose tracked settings differ and what follows them, among the rules
     ``changed`` has. The matrix test holds Snakemake's own plan to this."""
@@ -573,7 +573,7 @@ def schema_keys(schema_path: Path) -> list[str]:
     """Every settable key of the schema, dotted (objects without properties are one key)."""
     schema = yaml.safe_load(schema_path.read_text())
 
-    def walk(properties: dict, prefix: str) -> list[str]:
+    def walk(properties: dict[str, Any], prefix: str) -> list[str]:
         keys = []
         for name, spec in properties.items():
             if spec.get("type") == "object" and "properties" in spec:

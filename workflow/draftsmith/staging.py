@@ -15,6 +15,7 @@ import json
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 from draftsmith.atomic import atomic_write_text
 from draftsmith.layout import SHARD_GLOB
@@ -23,11 +24,11 @@ from draftsmith.progress import log
 FINGERPRINT = "fingerprint.json"
 
 
-def fingerprint_of(shaping: dict) -> str:
+def fingerprint_of(shaping: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()
 
 
-def open_staging(staging: Path, shaping: dict) -> Path:
+def open_staging(staging: Path, shaping: dict[str, Any]) -> Path:
     """Create ``staging`` for work shaped by ``shaping``; stale work is moved aside, not reused."""
     expected = fingerprint_of(shaping)
     marker = staging / FINGERPRINT

@@ -42,6 +42,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -320,7 +321,7 @@ def inputs_fingerprint(paths: TrainPaths) -> str:
     return digest.hexdigest()
 
 
-def reset_if_changed(paths: TrainPaths, args: list[str], epochs: int, software: dict) -> None:
+def reset_if_changed(paths: TrainPaths, args: list[str], epochs: int, software: dict[str, Any]) -> None:
     """Drop checkpoints trained with other arguments, software or data, or past the
     requested epochs; more epochs than before continue them."""
     recorded = [
@@ -362,7 +363,7 @@ def drop_unfinished_epoch(checkpoints: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def wait_while_writing(process: subprocess.Popen, stall_timeout_s: float) -> int:
+def wait_while_writing(process: subprocess.Popen[bytes], stall_timeout_s: float) -> int:
     """The trainer's exit code; a TrainError if its output stops for ``stall_timeout_s``.
 
     Seen on the H200: under torchrun a worker that ran out of GPU memory printed its
@@ -449,11 +450,11 @@ def stage_drafter(epoch_dir: Path, plan: LayerPlan, drafter: Path) -> None:
         atomic_write_text(config_path, json.dumps(config, indent=2) + "\n")
 
 
-def read_metric_records(metrics_file: Path) -> tuple[dict[int, dict], dict[int, dict]]:
+def read_metric_records(metrics_file: Path) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
     """Train records by global step and validation records by epoch; a rerun's records
     (after a resume) replace the ones it repeats."""
-    steps: dict[int, dict] = {}
-    validations: dict[int, dict] = {}
+    steps: dict[int, dict[str, Any]] = {}
+    validations: dict[int, dict[str, Any]] = {}
     if metrics_file.is_file():
         for line in metrics_file.read_text(encoding="utf-8").splitlines():
             record = json.loads(line)
@@ -464,11 +465,11 @@ def read_metric_records(metrics_file: Path) -> tuple[dict[int, dict], dict[int, 
     return steps, validations
 
 
-def epoch_metrics(metrics_file: Path) -> list[dict]:
+def epoch_metrics(metrics_file: Path) -> list[dict[str, Any]]:
     """Per epoch: the mean of each training metric over its steps, and the validation
     metrics (speculators' ``*_epoch`` names without the suffix)."""
     steps, validations = read_metric_records(metrics_file)
-    by_epoch: dict[int, list[dict]] = {}
+    by_epoch: dict[int, list[dict[str, Any]]] = {}
     for record in steps.values():
         by_epoch.setdefault(record["epoch"], []).append(record["train"])
     result = []
