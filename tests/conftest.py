@@ -196,3 +196,8 @@ def write_shard_manifest(shard: Path, **fields) -> Path:
     )
     ShardManifest(**(defaults | fields)).write(shard)
     return shard
+
+
+# The finished demo the end-to-end modules share (one session fixture; imported last, as it
+# imports this module's helpers).
+from demo_run import demo_run, interrupted_demo  # noqa: E402, F401

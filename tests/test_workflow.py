@@ -1,107 +1,29 @@
 """The demo DAG end to end through Snakemake, on a copy of the workflow (the slowest test).
 
-One real run of the shipped demo config (real vLLM CPU build, real speculators), stopped the
-way users stop runs in every stage that keeps work in progress (SIGKILL to the whole process
-group during question prep, dataset, extraction and training; Ctrl-C during generation) and
-resumed each time with the documented command. Then: the resumed run lost and repeated
-nothing, the wiring proof (trained drafter vs untrained), nothing left to do on a rerun, the
-invalidation matrix (each config key changed alone plans exactly what settings.py says),
-each config's own results_dir, no server left behind, the HTML report, and last, re-runs
-that reuse finished work (extraction requests nothing again, training resumes).
-
-One run serves all of these: a run per concern cost about 25 minutes more of CI on 2 cores.
+On the interrupted and resumed demo run (tests/demo_run.py): the resumed run lost and
+repeated nothing, the wiring proof (trained drafter vs untrained), nothing left to do on a
+rerun, each config's own results_dir, no server left behind, the HTML report, and last,
+re-runs that reuse finished work (extraction requests nothing again, training resumes). The
+invalidation matrix on the same run is test_rerun_matrix.py.
 """
 
-import copy
 import json
 import shutil
-import signal
-import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import copy_workflow, heavy_processes
-from interrupt import count, log_says, run_until, staged_answers, uninterrupted_question_ids, unlock
-from snakemake.utils import validate
+from conftest import heavy_processes
+from demo_run import demo_config, snakemake
+from interrupt import count, uninterrupted_question_ids
 
 from draftsmith.records import ShardManifest
-from draftsmith.settings import reruns_between
 
 ROOT = Path(__file__).resolve().parents[1]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 pytestmark = pytest.mark.e2e
-
-
-def snakemake(workdir: Path, *args: str, timeout: int = 1800) -> subprocess.CompletedProcess:
-    return subprocess.run([*SNAKEMAKE, *args], cwd=workdir, capture_output=True, text=True, timeout=timeout)
-
-
-def planned_jobs(output: str) -> dict[str, int]:
-    """Rule -> count from the 'Job stats' table of a dry run."""
-    jobs, in_table = {}, False
-    for line in output.splitlines():
-        if line.startswith("job ") and "count" in line:
-            in_table = True
-            continue
-        if in_table:
-            parts = line.split()
-            if not parts or parts[0].startswith("-"):
-                continue
-            if parts[0] == "total":
-                break
-            jobs[parts[0]] = int(parts[1])
-    return jobs
-
-
-@dataclass
-class Interruptions:
-    """What the interrupted demo run had done at its stops."""
-
-    answered_before_ctrl_c: int
-    asked_after_ctrl_c: int
-    questions: int
-    checkpoints_before_kill: int
-
-
-@pytest.fixture(scope="module")
-def interrupted_demo(tmp_path_factory) -> tuple[Path, Interruptions]:
-    workdir = copy_workflow(tmp_path_factory.mktemp("demo"))
-    hidden_states = "results/.staging/hidden_states/*/hs_*.safetensors"
-    checkpoints = "results/.staging/train/checkpoints/[0-9]*/training_state.json"
-
-    run_until(workdir, lambda: log_says(workdir, "questions.log"))  # SIGKILL during question prep
-    unlock(workdir)
-    # Ctrl-C in a terminal: SIGINT to the whole foreground group. Each stage stops its own
-    # server; Snakemake exits and releases its lock, so the same command runs next.
-    run_until(workdir, lambda: staged_answers(workdir) >= 60, stop=signal.SIGINT)
-    answered_before = staged_answers(workdir)
-    run_until(workdir, lambda: log_says(workdir, "dataset.log", "prepare"))  # generation is done
-    summaries = [json.loads(p.read_text()) for p in workdir.glob("results/.staging/completions/*/summary.json")]
-    unlock(workdir)
-    run_until(workdir, lambda: count(hidden_states, workdir) >= 70)
-    unlock(workdir)
-    run_until(workdir, lambda: count(checkpoints, workdir) >= 2)
-    unlock(workdir)
-    checkpoints_before = count("results/.staging/train/checkpoints/[0-9]*", workdir)
-
-    final = snakemake(workdir, "--cores", "all", "--resources", "gpu=8")
-    assert final.returncode == 0, final.stderr[-5000:]
-    return workdir, Interruptions(
-        answered_before_ctrl_c=answered_before,
-        asked_after_ctrl_c=sum(s["asked_this_run"] for s in summaries),
-        questions=sum(s["questions"] for s in summaries),
-        checkpoints_before_kill=checkpoints_before,
-    )
-
-
-@pytest.fixture(scope="module")
-def demo_run(interrupted_demo) -> Path:
-    return interrupted_demo[0]
 
 
 def test_interrupted_anywhere_the_same_commands_finish_without_redoing_work(interrupted_demo, tmp_path):
@@ -220,143 +142,6 @@ def test_second_run_has_nothing_to_do_and_no_server_is_left(demo_run):
     rerun = snakemake(demo_run, "-n")
     assert rerun.returncode == 0
     assert "Nothing to be done" in rerun.stdout + rerun.stderr
-
-
-def demo_config(workdir: Path) -> dict:
-    return yaml.safe_load((workdir / "config/config.yaml").read_text())
-
-
-def dry_run(workdir: Path, config: dict, name: str) -> dict[str, int]:
-    """The jobs ``snakemake -n`` plans for ``config`` in ``workdir`` (rule -> count)."""
-    path = workdir / "config" / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    plan = snakemake(workdir, "-n", "--configfile", str(path), timeout=300)
-    assert plan.returncode == 0, f"{name}: {plan.stderr[-3000:]}"
-    jobs = planned_jobs(plan.stdout)
-    jobs.pop("all", None)
-    return jobs
-
-
-def test_a_generation_change_replans_generation_and_what_follows(demo_run):
-    config = demo_config(demo_run)
-    config["generation"]["max_tokens"] = 48
-    jobs = dry_run(demo_run, config, "max_tokens")
-    assert jobs.get("generate") == config["questions"]["shards"]
-    assert {"dataset", "extract", "train", "evaluate"} <= jobs.keys()
-    assert "demo_model" not in jobs and "questions" not in jobs
-
-
-# One change at a time, to every key of the schema, and the hard cases (server options that
-# do or do not change numerics, re-sharding): (key, new value).
-MATRIX = [
-    ("results_dir", "results_elsewhere"),
-    ("device", "cuda"),
-    ("gpu_slot", 2),
-    ("target.model", "results/demo_model_b"),
-    ("target.build_demo", False),
-    ("target.demo_architecture", "deepseek_v3"),
-    ("target.demo_train_steps", 400),
-    ("target.trust_remote_code", True),
-    ("layers", [1, 3, 4, 5]),
-    ("server.tensor_parallel_size", 2),
-    ("server.data_parallel_size", 2),
-    ("server.max_model_len", 1024),
-    ("server.startup_timeout_s", 900),
-    ("server.extra_args", ["--enforce-eager", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.5"]),
-    ("server.extra_args", ["--enforce-eager", "--dtype", "float16"]),  # numerics
-    ("server.env", {"VLLM_CPU_KVCACHE_SPACE": 2, "HF_HUB_OFFLINE": 1}),
-    ("server.env", {"VLLM_CPU_KVCACHE_SPACE": 1, "HF_HUB_OFFLINE": 1, "VLLM_ATTENTION_BACKEND": "X"}),
-    ("questions.source", "config/other_questions.jsonl"),
-    ("questions.split", "test"),
-    ("questions.subset", "other"),
-    ("questions.limit", 500),
-    ("questions.heldout", 50),
-    ("questions.shards", 3),
-    ("questions.seed", 1),
-    ("generation.concurrency", 4),
-    ("generation.max_tokens", 48),
-    ("generation.sampling", {"temperature": 0.5, "top_p": 1.0, "seed": 0}),
-    ("generation.max_error_fraction", 0.1),
-    ("generation.request_timeout_s", 100),
-    ("generation.max_retries", 1),
-    ("generation.endpoint", {"base_url": "http://127.0.0.1:9/v1"}),
-    ("dataset.seq_length", 400),
-    ("dataset.min_trainable_tokens", 2),
-    ("extraction.shards", 3),
-    ("extraction.concurrency", 4),
-    ("extraction.request_timeout_s", 100),
-    ("extraction.max_retries", 1),
-    ("hidden_states.disk_budget", "1 MB"),  # part of the rows stored, the rest captured
-    ("hidden_states.disk_budget", 0),  # fully online: no extraction job
-    ("hidden_states.stored_dtype", "fp8"),
-    ("hidden_states.capture_memory_fraction", 0.6),
-    ("training.epochs", 16),
-    ("training.lr", 0.001),
-    ("training.draft_vocab_size", 150),
-    ("training.total_seq_len", 1024),
-    ("training.num_layers", 2),
-    ("training.seed", 1),
-    ("training.stall_timeout_s", 100),
-    ("training.extra_args", ["--log-freq", "5"]),
-    ("evaluation.num_speculative_tokens", [3, 1, 2]),  # one more draft length
-    ("evaluation.num_speculative_tokens", [1, 3]),  # another default: the untrained job's length
-    ("evaluation.max_tokens", 32),
-    ("evaluation.concurrency", [8, 4, 2]),
-    ("evaluation.sampled", False),
-    ("evaluation.compare_untrained", False),
-    ("evaluation.limit", 10),
-    ("evaluation.sets", {"counting": {"source": "config/demo_sets/counting.jsonl", "category_field": "task"}}),
-    ("evaluation.request_timeout_s", 100),
-    ("evaluation.max_retries", 1),
-]
-
-
-def changed_config(base: dict, key: str, value) -> dict:
-    config = copy.deepcopy(base)
-    *parents, leaf = key.split(".")
-    section = config
-    for part in parents:
-        section = section.setdefault(part, {})
-    section[leaf] = value
-    return config
-
-
-def expected_reruns(base: dict, changed: dict) -> set[str]:
-    """What settings.py says the change re-runs (``reruns_between``), on the validated configs."""
-    schema = str(ROOT / "workflow/schemas/config.schema.yaml")
-    base, changed = copy.deepcopy(base), copy.deepcopy(changed)
-    validate(base, schema)
-    validate(changed, schema)
-    return reruns_between(base, changed)
-
-
-def test_each_key_changed_alone_plans_exactly_what_the_table_says(demo_run):
-    """The invalidation matrix: on the finished demo, `snakemake -n` plans exactly the rules
-    settings.py names for each key (no stage runs: planning only)."""
-    base = demo_config(demo_run)
-    other_source = dict(MATRIX)["questions.source"]
-    shutil.copy(demo_run / base["questions"]["source"], demo_run / other_source)
-    cases = {f"{key}={json.dumps(value)}": changed_config(base, key, value) for key, value in MATRIX}
-    with ThreadPoolExecutor(2) as pool:  # dry runs only read; two at a time on two cores
-        jobs = pool.map(lambda item: dry_run(demo_run, item[1], f"matrix_{item[0]}"), enumerate(cases.values()))
-        planned = dict(zip(cases, jobs, strict=True))
-    wrong = {}
-    for case, config in cases.items():
-        expected = expected_reruns(base, config)
-        if set(planned[case]) != expected:
-            wrong[case] = {"planned": sorted(planned[case]), "table": sorted(expected)}
-    assert wrong == {}, json.dumps(wrong, indent=1)
-    # The scenarios that wasted whole stages before, spelled out. A new draft length is one
-    # job (and the summary), the other lengths and the baseline stay.
-    assert planned["evaluation.num_speculative_tokens=[3, 1, 2]"] == {
-        "evaluate_drafter": 1,
-        "evaluate": 1,
-        "plan_snapshot": 1,
-        "run_metadata": 1,
-    }
-    assert planned["evaluation.request_timeout_s=100"] == {}
-    assert planned["server.startup_timeout_s=900"] == {}
-    assert planned["questions.shards=3"]["generate"] == 3
 
 
 def test_the_production_plan_shows_only_its_own_results_dir(demo_run):
