@@ -26,13 +26,12 @@ from draftsmith.server import Endpoint
 from draftsmith.slot import GpuSlotError
 from draftsmith.train import (
     TrainError,
-    drop_unfinished_epoch,
-    reset_if_changed,
     run,
     speculators_args,
     train_command,
     training_processes,
 )
+from draftsmith.training_checkpoints import drop_unfinished_epoch, reset_if_changed
 
 LAYERS = [1, 2, 4, 5]  # the demo's: aux vLLM ids 2, 3, 5; layer 5 (of 6) is the target
 AUX_VLLM_IDS = [2, 3, 5]
@@ -365,7 +364,7 @@ def test_checkpoints_survive_a_republish_but_not_new_data(dataset, hidden_states
     """Resume on the same inputs by content: a republished copy (new files, new times) and
     speculators' own caches in the dataset directory resume; hidden states made under
     other settings, or other tokens, do not."""
-    from draftsmith.train import inputs_fingerprint
+    from draftsmith.training_checkpoints import inputs_fingerprint
 
     before = inputs_fingerprint(published_copy(dataset, hidden_states, tmp_path / "a", "same"))
     again = published_copy(dataset, hidden_states, tmp_path / "b", "same")
@@ -392,7 +391,7 @@ def run_stage_with_trainer(trainer_code: str, tmp_path: Path, stall_timeout_s: f
     stage = [
         sys.executable,
         "-c",
-        f"from pathlib import Path; from draftsmith.train import run_trainer; "
+        f"from pathlib import Path; from draftsmith.trainer_process import run_trainer; "
         f"run_trainer({trainer!r}, Path({str(tmp_path / 'metrics.jsonl')!r}), {stall_timeout_s})",
     ]
     log = tmp_path / "train.log"
@@ -418,7 +417,7 @@ def test_a_trainer_that_hangs_after_crashing_is_stopped_and_named(tmp_path):
 def test_a_trainer_out_of_gpu_memory_is_named_with_the_fix(tmp_path):
     log = run_stage_with_trainer(f"import sys; {OOM_LINE}; sys.exit(1)", tmp_path, stall_timeout_s=600)
     assert log.rstrip().splitlines()[-1] == (
-        "draftsmith.train.TrainError: speculators train ran out of GPU memory (exit 1); lower "
+        "draftsmith.errors.TrainError: speculators train ran out of GPU memory (exit 1); lower "
         "training.total_seq_len (tokens per step) and rerun"
     )
 
@@ -429,7 +428,7 @@ def test_a_disk_that_fills_while_training_is_named_with_the_fix(tmp_path):
     full = "print('OSError: [Errno 28] No space left on device', file=sys.stderr, flush=True)"
     log = run_stage_with_trainer(f"import sys; {full}; sys.exit(1)", tmp_path, stall_timeout_s=600)
     assert log.rstrip().splitlines()[-1] == (
-        "draftsmith.train.TrainError: the disk filled while training (exit 1: captured rows or a checkpoint could "
+        "draftsmith.errors.TrainError: the disk filled while training (exit 1: captured rows or a checkpoint could "
         "not be written); free space or lower hidden_states.disk_budget, then rerun: training resumes"
     )
 

@@ -9,7 +9,6 @@ invalidation matrix on the same run is test_rerun_matrix.py.
 
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +21,6 @@ from interrupt import count, uninterrupted_question_ids
 from draftsmith.records import ShardManifest
 
 ROOT = Path(__file__).resolve().parents[1]
-SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 pytestmark = pytest.mark.e2e
 
 

@@ -28,7 +28,9 @@ sys.path.insert(0, str(REPO / "workflow"))
 sys.path.insert(0, str(REPO / "bench/train_gpu"))
 
 from bench import CONFIGS, stage_argv  # noqa: E402
-from draftsmith.train import TrainError, launcher, run_trainer  # noqa: E402
+from draftsmith.errors import TrainError  # noqa: E402
+from draftsmith.train import launcher  # noqa: E402
+from draftsmith.trainer_process import run_trainer  # noqa: E402
 
 CONFIGS["default_seq128k"] = (131072, [], {})
 

@@ -3,3 +3,7 @@
 
 class DraftsmithError(Exception):
     pass
+
+
+class TrainError(DraftsmithError):
+    """The training stage (train.py and the modules it is split into) cannot go on."""

@@ -15,68 +15,48 @@ asks it for each missing row when the trainer reaches it (``--on-missing generat
 loads the file and deletes it. Captured files live in ``STAGING/capture``, emptied at
 every start, so crashes never leave them behind.
 
-Checkpoints live in ``STAGING/checkpoints``, outside the declared outputs, so a crash
-or a Snakemake rerun keeps them: speculators resumes by itself from the newest epoch
-there. Raising ``training.epochs`` continues from the last epoch; any other change of
-the arguments, the software or the data starts afresh (``STAGING/train_args.json``
-remembers them). The data is identified by content (tokens, masks, the extraction
-manifests), not by file times, so republished but unchanged inputs resume. The best
-epoch (lowest validation loss, else the newest) is copied without optimizer state to
-``--output`` in one rename, with ``training_metrics.json``. The evaluation stage writes
-the ``--speculative-config`` JSON (``num_speculative_tokens`` is its setting).
+The stage's other concerns have modules of their own: when checkpoints resume or start
+afresh (training_checkpoints.py), the trainer process and its stall watch
+(trainer_process.py), and the published drafter with its metrics (drafter_publish.py). The
+best epoch (lowest validation loss, else the newest) is published without optimizer state to
+``--output`` in one rename. The evaluation stage writes the ``--speculative-config`` JSON
+(``num_speculative_tokens`` is its setting).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import hashlib
 import json
-import os
 import shutil
 import signal
-import stat
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import pyarrow as pa
-import pyarrow.compute as pc
 from datasets import load_from_disk
 from safetensors import safe_open
 
-from draftsmith.atomic import atomic_write_text, publish_directory
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.disk_budget import RowSplit, row_split
-from draftsmith.errors import DraftsmithError
-from draftsmith.guard import guarded, stop_process_group, uncapped_environment
+from draftsmith.drafter_publish import capture_requests, publish
+from draftsmith.errors import TrainError
 from draftsmith.layers import LayerPlan, resolve_layers
 from draftsmith.layout import (
-    HIDDEN_STATE_GLOB,
     ROW_IDS,
-    SHARD_MANIFEST,
     TOKEN_FREQUENCIES,
     TrainPaths,
     hidden_state_file,
 )
-from draftsmith.progress import log, stderr_file
-from draftsmith.records import TrainingMetrics
+from draftsmith.progress import log
 from draftsmith.run_config import RunConfig
-from draftsmith.server import Endpoint, ServerSpec, counter_totals, log_tail, managed_server, read_metrics
+from draftsmith.server import Endpoint, ServerSpec, managed_server
 from draftsmith.settings import item_settings
 from draftsmith.slot import GpuSlotError, check_gpu_slot
-from draftsmith.speculators_cpu import METRICS_FILE_ENV
 from draftsmith.target import draft_vocab_problem, read_target_shape
+from draftsmith.trainer_process import run_trainer
+from draftsmith.training_checkpoints import chosen_epoch, drop_unfinished_epoch, reset_if_changed
 
-DRAFTER_FILES = ("config.json", "model.safetensors")  # what vLLM loads; no optimizer state
-# On a CPU only: no dataloader workers, attention without flex-attention's compiler, and
-# fp32 compute. speculators autocasts to bf16 by default, and on a CPU without AVX512-BF16
-# or AMX (an AVX2 EPYC here) bf16 matmuls fall back to a naive kernel: a demo step took
-# 19.3 s of CPU in bf16 and 4.1 s in fp32 (torch.profiler, 3 steps).
 # `speculators train` flags this stage passes (speculators_args, CPU_TRAINER_FLAGS).
 TRAIN_FLAGS = [
     "--verifier-name-or-path",
@@ -98,6 +78,10 @@ TRAIN_FLAGS = [
     "--hidden-states-dtype",
     "--vllm-endpoint",
 ]
+# On a CPU only: no dataloader workers, attention without flex-attention's compiler, and
+# fp32 compute. speculators autocasts to bf16 by default, and on a CPU without AVX512-BF16
+# or AMX (an AVX2 EPYC here) bf16 matmuls fall back to a naive kernel: a demo step took
+# 19.3 s of CPU in bf16 and 4.1 s in fp32 (torch.profiler, 3 steps).
 CPU_TRAINER_FLAGS = ["--num-workers", "0", "--draft-attn-impl", "sdpa", "--hidden-states-dtype", "float32"]
 SHOW_MISSING = 5
 # Stands for the capture server's URL in the arguments (its port is new at every start):
@@ -105,10 +89,6 @@ SHOW_MISSING = 5
 CAPTURE_ENDPOINT = "<capture-server>"
 # speculators' dataset connects with this key built in; the server listens on loopback only.
 CAPTURE_API_KEY = "EMPTY"
-
-
-class TrainError(DraftsmithError):
-    pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,243 +257,6 @@ def capture_server(settings: RunConfig, paths: TrainPaths, split: RowSplit) -> I
             yield endpoint
     finally:
         shutil.rmtree(paths.capture, ignore_errors=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# Resume
-# ---------------------------------------------------------------------------------------------
-
-
-def without_epochs(args: list[str]) -> list[str]:
-    index = args.index("--epochs")
-    return args[:index] + args[index + 2 :]
-
-
-def _column_digest(digest, column: pa.ChunkedArray) -> None:
-    column = column.combine_chunks()
-    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
-        digest.update(pc.list_value_length(column).to_numpy(zero_copy_only=False).tobytes())
-        digest.update(pc.list_flatten(column).to_numpy(zero_copy_only=False).tobytes())
-    else:
-        digest.update(json.dumps(column.to_pylist(), default=str).encode())
-
-
-def inputs_fingerprint(paths: TrainPaths) -> str:
-    """Identity of the training data by content, not by file times: the dataset's columns
-    (tokens, loss masks) and row ids, and for the hidden states each row's file size and
-    the manifests of the shards they come from (rows, layers, dtype and the settings the
-    files were made under). A republished but unchanged input resumes the checkpoints;
-    regenerated data does not. Hashing the hidden states themselves (terabytes) is out."""
-    digest = hashlib.sha256()
-    table = load_from_disk(str(paths.dataset)).data.table
-    for name in sorted(table.column_names):
-        digest.update(f"column {name}\n".encode())
-        _column_digest(digest, table.column(name))
-    row_ids = paths.dataset / ROW_IDS
-    digest.update(row_ids.read_bytes() if row_ids.is_file() else b"no row ids")
-    shards = set()
-    for path in sorted(paths.hidden_states.glob(HIDDEN_STATE_GLOB)):
-        digest.update(f"{path.name}:{path.stat().st_size}\n".encode())
-        shards.add(path.resolve().parent)
-    for shard in sorted(shards):
-        manifest = shard / SHARD_MANIFEST
-        digest.update(manifest.read_bytes() if manifest.is_file() else f"{shard} unlisted".encode())
-    return digest.hexdigest()
-
-
-def reset_if_changed(paths: TrainPaths, args: list[str], epochs: int, software: dict[str, Any]) -> None:
-    """Drop checkpoints trained with other arguments, software or data, or past the
-    requested epochs; more epochs than before continue them."""
-    recorded = [
-        *without_epochs(args),
-        "--software",
-        json.dumps(software, sort_keys=True),
-        "--inputs",
-        inputs_fingerprint(paths),
-    ]
-    changed = paths.args_record.is_file() and json.loads(paths.args_record.read_text()) != recorded
-    finished = epoch_dirs(paths.checkpoints)
-    if changed or (finished and int(finished[-1].name) >= epochs):
-        reason = "training arguments changed" if changed else f"more than {epochs} epochs trained"
-        log(f"{reason} since the checkpoints in {paths.checkpoints}: starting afresh")
-        shutil.rmtree(paths.checkpoints, ignore_errors=True)
-        paths.metrics.unlink(missing_ok=True)
-    atomic_write_text(paths.args_record, json.dumps(recorded) + "\n")
-
-
-def epoch_dirs(checkpoints: Path) -> list[Path]:
-    if not checkpoints.is_dir():
-        return []
-    # Skip speculators' links (checkpoint_best, epoch3_end) and "interrupted", which it ignores.
-    found = [d for d in checkpoints.iterdir() if d.is_dir() and not d.is_symlink() and d.name.isdigit()]
-    return sorted(found, key=lambda d: int(d.name))
-
-
-def drop_unfinished_epoch(checkpoints: Path) -> None:
-    """A crash while saving leaves an epoch without training_state.json (written last);
-    speculators would try to resume from it, so it goes and that epoch is retrained."""
-    epochs = epoch_dirs(checkpoints)
-    if epochs and not (epochs[-1] / "training_state.json").is_file():
-        log(f"removing unfinished checkpoint {epochs[-1]}")
-        shutil.rmtree(epochs[-1])
-
-
-# ---------------------------------------------------------------------------------------------
-# Run and publish
-# ---------------------------------------------------------------------------------------------
-
-
-def wait_while_writing(process: subprocess.Popen[bytes], stall_timeout_s: float) -> int:
-    """The trainer's exit code; a TrainError if its output stops for ``stall_timeout_s``.
-
-    Seen on the H200: under torchrun a worker that ran out of GPU memory printed its
-    traceback and then hung, holding the GPU, instead of exiting. The trainer writes to
-    our stderr (the rule's log), so a log that stops growing is the sign. Where stderr
-    is not a file (a terminal), there is nothing to watch and we just wait."""
-    if not stat.S_ISREG(os.fstat(sys.stderr.fileno()).st_mode):
-        return process.wait()
-    last_size, last_change = -1, time.monotonic()
-    while True:
-        try:
-            return process.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            pass
-        size = os.fstat(sys.stderr.fileno()).st_size
-        if size != last_size:
-            last_size, last_change = size, time.monotonic()
-        elif time.monotonic() - last_change > stall_timeout_s:
-            raise TrainError(
-                f"speculators train wrote nothing for {stall_timeout_s:.0f}s, so it was stopped; a "
-                "crashed worker (e.g. out of GPU memory: see the traceback above) can hang instead "
-                "of exiting. If it was only slow, raise training.stall_timeout_s"
-            )
-
-
-def run_trainer(command: list[str], metrics_file: Path, stall_timeout_s: float) -> None:
-    # Rich wraps log lines at 80 columns when writing to a file; wide lines stay greppable.
-    env = {"COLUMNS": "200", **uncapped_environment(), METRICS_FILE_ENV: str(metrics_file)}
-    log("running: " + " ".join(command))
-    sys.stderr.flush()
-    # Under the guard, so torchrun's workers are stopped with it even after a SIGKILL.
-    process = subprocess.Popen(guarded(command), stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-    try:
-        returncode = wait_while_writing(process, stall_timeout_s)
-    finally:
-        stop_process_group(process)
-    if returncode != 0:
-        log_path = stderr_file()
-        tail = log_tail(log_path, 400) if log_path else ""
-        if "OutOfMemoryError" in tail:
-            raise TrainError(
-                f"speculators train ran out of GPU memory (exit {returncode}); lower "
-                "training.total_seq_len (tokens per step) and rerun"
-            )
-        if "No space left on device" in tail:
-            # A capture server or a checkpoint save that found the disk full: the captured
-            # files are deleted with this job, the finished epochs are kept.
-            raise TrainError(
-                f"the disk filled while training (exit {returncode}: captured rows or a checkpoint could not be "
-                "written); free space or lower hidden_states.disk_budget, then rerun: training resumes"
-            )
-        raise TrainError(f"speculators train failed (exit {returncode}); see the log above")
-
-
-def chosen_epoch(checkpoints: Path) -> Path:
-    """The epoch with the lowest validation loss (speculators' checkpoint_best), else the newest."""
-    best = checkpoints / "checkpoint_best"
-    if best.is_dir():
-        return best.resolve()
-    epochs = epoch_dirs(checkpoints)
-    if not epochs:
-        raise TrainError(f"speculators train finished without a checkpoint in {checkpoints}")
-    return epochs[-1]
-
-
-def stage_drafter(epoch_dir: Path, plan: LayerPlan, drafter: Path) -> None:
-    """Copy what vLLM loads and make sure the config names the aux layers we extracted."""
-    drafter.mkdir(parents=True)
-    for name in DRAFTER_FILES:
-        shutil.copy2(epoch_dir / name, drafter / name)
-    config_path = drafter / "config.json"
-    config = json.loads(config_path.read_text())
-    model_type = config.get("speculators_model_type")
-    if model_type != "eagle3":
-        raise TrainError(
-            f"{epoch_dir}/config.json has speculators_model_type {model_type!r}, "
-            "expected 'eagle3'; check training.extra_args"
-        )
-    # vLLM captures exactly these ids at serving time: they must be the ones trained on.
-    found = config.get("eagle_aux_hidden_state_layer_ids")
-    if found != plan.aux_vllm_ids:
-        log(f"setting eagle_aux_hidden_state_layer_ids {found} -> {plan.aux_vllm_ids}")
-        config["eagle_aux_hidden_state_layer_ids"] = plan.aux_vllm_ids
-        atomic_write_text(config_path, json.dumps(config, indent=2) + "\n")
-
-
-def read_metric_records(metrics_file: Path) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
-    """Train records by global step and validation records by epoch; a rerun's records
-    (after a resume) replace the ones it repeats."""
-    steps: dict[int, dict[str, Any]] = {}
-    validations: dict[int, dict[str, Any]] = {}
-    if metrics_file.is_file():
-        for line in metrics_file.read_text(encoding="utf-8").splitlines():
-            record = json.loads(line)
-            if "train" in record:
-                steps[record["global_step"]] = record
-            elif "val" in record:
-                validations[record["epoch"]] = record
-    return steps, validations
-
-
-def epoch_metrics(metrics_file: Path) -> list[dict[str, Any]]:
-    """Per epoch: the mean of each training metric over its steps, and the validation
-    metrics (speculators' ``*_epoch`` names without the suffix)."""
-    steps, validations = read_metric_records(metrics_file)
-    by_epoch: dict[int, list[dict[str, Any]]] = {}
-    for record in steps.values():
-        by_epoch.setdefault(record["epoch"], []).append(record["train"])
-    result = []
-    for epoch in sorted(set(by_epoch) | set(validations)):
-        train = by_epoch.get(epoch, [])
-        result.append(
-            {
-                "epoch": epoch,
-                "steps": len(train),
-                "train": {key: sum(step[key] for step in train) / len(train) for key in (train[0] if train else {})},
-                "val": {
-                    key.removesuffix("_epoch"): value
-                    for key, value in validations.get(epoch, {}).get("val", {}).items()
-                },
-            }
-        )
-    return result
-
-
-FINISHED_REQUESTS = "vllm:request_success_total"
-
-
-def capture_requests(endpoint: Endpoint) -> int:
-    """Rows the capture server answered, by its own counter (finished requests)."""
-    return counter_totals(read_metrics(endpoint), [FINISHED_REQUESTS])[FINISHED_REQUESTS]
-
-
-def publish(
-    plan: LayerPlan, paths: TrainPaths, epoch_dir: Path, split: RowSplit | None = None, capture_requests: int = 0
-) -> None:
-    """``split``: where the rows came from (stored or captured); ``capture_requests``: the
-    requests the capture server answered."""
-    partial = paths.staging / "drafter.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    stage_drafter(epoch_dir, plan, partial)
-    published = int(epoch_dir.name) if epoch_dir.name.isdigit() else None  # None: untrained
-    metrics = TrainingMetrics(published, epoch_metrics(paths.metrics))
-    if split is not None:
-        metrics = dataclasses.replace(
-            metrics, rows_stored=split.stored, rows_captured_per_epoch=split.captured, capture_requests=capture_requests
-        )
-    metrics.write(partial)
-    publish_directory(partial, paths.output)
-    log(f"published epoch {epoch_dir.name} to {paths.output}")
 
 
 VOCABULARY_MAPPINGS = ("d2t-*.npy", "t2d-*.npy")

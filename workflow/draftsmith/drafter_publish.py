@@ -1,0 +1,108 @@
+"""The trained drafter, published: the chosen epoch's weights and config for vLLM, and the
+per-epoch metrics with where the rows came from (``training_metrics.json``), in one rename."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from draftsmith.atomic import atomic_write_text, publish_directory
+from draftsmith.disk_budget import RowSplit
+from draftsmith.errors import TrainError
+from draftsmith.layers import LayerPlan
+from draftsmith.layout import TrainPaths
+from draftsmith.progress import log
+from draftsmith.records import TrainingMetrics
+from draftsmith.server import Endpoint, counter_totals, read_metrics
+
+DRAFTER_FILES = ("config.json", "model.safetensors")  # what vLLM loads; no optimizer state
+
+
+def stage_drafter(epoch_dir: Path, plan: LayerPlan, drafter: Path) -> None:
+    """Copy what vLLM loads and make sure the config names the aux layers we extracted."""
+    drafter.mkdir(parents=True)
+    for name in DRAFTER_FILES:
+        shutil.copy2(epoch_dir / name, drafter / name)
+    config_path = drafter / "config.json"
+    config = json.loads(config_path.read_text())
+    model_type = config.get("speculators_model_type")
+    if model_type != "eagle3":
+        raise TrainError(
+            f"{epoch_dir}/config.json has speculators_model_type {model_type!r}, "
+            "expected 'eagle3'; check training.extra_args"
+        )
+    # vLLM captures exactly these ids at serving time: they must be the ones trained on.
+    found = config.get("eagle_aux_hidden_state_layer_ids")
+    if found != plan.aux_vllm_ids:
+        log(f"setting eagle_aux_hidden_state_layer_ids {found} -> {plan.aux_vllm_ids}")
+        config["eagle_aux_hidden_state_layer_ids"] = plan.aux_vllm_ids
+        atomic_write_text(config_path, json.dumps(config, indent=2) + "\n")
+
+
+def read_metric_records(metrics_file: Path) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
+    """Train records by global step and validation records by epoch; a rerun's records
+    (after a resume) replace the ones it repeats."""
+    steps: dict[int, dict[str, Any]] = {}
+    validations: dict[int, dict[str, Any]] = {}
+    if metrics_file.is_file():
+        for line in metrics_file.read_text(encoding="utf-8").splitlines():
+            record = json.loads(line)
+            if "train" in record:
+                steps[record["global_step"]] = record
+            elif "val" in record:
+                validations[record["epoch"]] = record
+    return steps, validations
+
+
+def epoch_metrics(metrics_file: Path) -> list[dict[str, Any]]:
+    """Per epoch: the mean of each training metric over its steps, and the validation
+    metrics (speculators' ``*_epoch`` names without the suffix)."""
+    steps, validations = read_metric_records(metrics_file)
+    by_epoch: dict[int, list[dict[str, Any]]] = {}
+    for record in steps.values():
+        by_epoch.setdefault(record["epoch"], []).append(record["train"])
+    result = []
+    for epoch in sorted(set(by_epoch) | set(validations)):
+        train = by_epoch.get(epoch, [])
+        result.append(
+            {
+                "epoch": epoch,
+                "steps": len(train),
+                "train": {key: sum(step[key] for step in train) / len(train) for key in (train[0] if train else {})},
+                "val": {
+                    key.removesuffix("_epoch"): value
+                    for key, value in validations.get(epoch, {}).get("val", {}).items()
+                },
+            }
+        )
+    return result
+
+
+FINISHED_REQUESTS = "vllm:request_success_total"
+
+
+def capture_requests(endpoint: Endpoint) -> int:
+    """Rows the capture server answered, by its own counter (finished requests)."""
+    return counter_totals(read_metrics(endpoint), [FINISHED_REQUESTS])[FINISHED_REQUESTS]
+
+
+def publish(
+    plan: LayerPlan, paths: TrainPaths, epoch_dir: Path, split: RowSplit | None = None, capture_requests: int = 0
+) -> None:
+    """``split``: where the rows came from (stored or captured); ``capture_requests``: the
+    requests the capture server answered."""
+    partial = paths.staging / "drafter.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    stage_drafter(epoch_dir, plan, partial)
+    published = int(epoch_dir.name) if epoch_dir.name.isdigit() else None  # None: untrained
+    metrics = TrainingMetrics(published, epoch_metrics(paths.metrics))
+    if split is not None:
+        metrics = dataclasses.replace(
+            metrics, rows_stored=split.stored, rows_captured_per_epoch=split.captured, capture_requests=capture_requests
+        )
+    metrics.write(partial)
+    publish_directory(partial, paths.output)
+    log(f"published epoch {epoch_dir.name} to {paths.output}")
