@@ -36,6 +36,7 @@ from draftsmith.run_config import RunConfig
 from draftsmith.settings import item_settings
 from draftsmith.shard_gate import check_sample
 from draftsmith.staging import open_staging
+from draftsmith.target import read_target_shape
 
 NUM_LAYERS = 5
 CONFIG_LAYERS = [0, 2, 4]  # vLLM ids [1, 3, 5]; 4 is the final layer
@@ -281,7 +282,10 @@ def test_a_row_captured_while_training_equals_the_stored_row(
     empty.mkdir()
     paths = layout.TrainPaths(dataset_dir, empty, tmp_path / "staging", tmp_path / "drafter")
     rows = len(tiny_rows())
-    with train.capture_server(settings, paths, RowSplit(rows, 0)) as endpoint:
+    run = RunConfig.from_dict(settings)
+    target = read_target_shape(str(tiny_model))
+    inputs = train.TrainingInputs(resolve_layers(list(run.layers), target.num_hidden_layers), RowSplit(rows, 0), target)
+    with train.capture_server(run, paths, inputs) as endpoint:
         assert endpoint is not None and endpoint.api_key == train.CAPTURE_API_KEY
         online = ArrowDataset(
             max_len=512, datapath=str(dataset_dir), transfer=FileTransfer(empty), vllm_endpoint=endpoint.base_url

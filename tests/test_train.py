@@ -192,7 +192,7 @@ def test_under_a_disk_budget_only_the_stored_rows_need_files(target, dataset, hi
         (stored / f"hs_{row}.safetensors").symlink_to(hidden_states / f"hs_{row}.safetensors")
     budget = {"disk_budget": budget_for(target, dataset, 3), "stored_dtype": "served", "capture_memory_fraction": 0.5}
     budgeted = settings(target) | {"hidden_states": budget}
-    _plan, split = train.preflight(RunConfig.from_dict(budgeted), stage_paths(tmp_path, dataset, stored))
+    split = train.preflight(RunConfig.from_dict(budgeted), stage_paths(tmp_path, dataset, stored)).split
     assert (split.rows, split.stored, split.mode) == (ROWS, 3, "budget")
     # All rows on disk while the budget holds three: the extraction is stale, training stops.
     with pytest.raises(TrainError, match=r"more rows than hidden_states.disk_budget stores \(3\); rerun"):

@@ -49,7 +49,7 @@ from draftsmith.server import Endpoint, ServerSpec
 from draftsmith.server_stage import RequestPolicy, ServerStage, StageError, first_errors
 from draftsmith.shard_gate import BadSample, check_sample, check_shard
 from draftsmith.staging import fingerprint_of, matching_siblings
-from draftsmith.target import read_target_shape
+from draftsmith.target import TargetShape, read_target_shape
 
 # Third-party names this module uses; the preflight checks each exists (preflight.declared).
 THIRD_PARTY = [
@@ -178,9 +178,14 @@ def target_shape(settings: RunConfig) -> tuple[LayerPlan, SampleShape]:
     """Layer count, width and dtype from the target's config.json; layers resolved once."""
     target = read_target_shape(settings.target.model)
     plan = resolve_layers(list(settings.layers), target.num_hidden_layers)
+    return plan, sample_shape(settings, target, plan)
+
+
+def sample_shape(settings: RunConfig, target: TargetShape, plan: LayerPlan) -> SampleShape:
+    """What each stored or captured file holds, for a target and layers already read."""
     checkpoint_dtype = getattr(torch, target.dtype) if target.dtype else None
     dtype = serving_dtype(checkpoint_dtype, settings.server.extra_args)
-    return plan, SampleShape(len(plan.vllm_ids), target.hidden_size, dtype, settings.hidden_states.fp8)
+    return SampleShape(len(plan.vllm_ids), target.hidden_size, dtype, settings.hidden_states.fp8)
 
 
 def extraction_server_args(plan: LayerPlan, storage_dir: Path, shape: SampleShape) -> list[str]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import shutil
 import signal
@@ -53,7 +54,7 @@ from draftsmith.run_config import RunConfig
 from draftsmith.server import Endpoint, ServerSpec, managed_server
 from draftsmith.settings import item_settings
 from draftsmith.slot import GpuSlotError, check_gpu_slot
-from draftsmith.target import draft_vocab_problem, read_target_shape
+from draftsmith.target import TargetShape, draft_vocab_problem, read_target_shape
 from draftsmith.trainer_process import run_trainer
 from draftsmith.training_checkpoints import chosen_epoch, drop_unfinished_epoch, reset_if_changed
 
@@ -142,7 +143,17 @@ def check_hidden_states(paths: TrainPaths, split: RowSplit, stored_layers: int, 
         )
 
 
-def preflight(settings: RunConfig, paths: TrainPaths) -> tuple[LayerPlan, RowSplit]:
+@dataclasses.dataclass(frozen=True)
+class TrainingInputs:
+    """What the checks found, read once for the whole job: the layers, which rows are stored
+    and which captured, and the target's shape (the capture server's files take it)."""
+
+    plan: LayerPlan
+    split: RowSplit
+    target: TargetShape
+
+
+def preflight(settings: RunConfig, paths: TrainPaths) -> TrainingInputs:
     target = read_target_shape(settings.target.model)
     if problem := draft_vocab_problem(settings.training.draft_vocab_size, target.vocab_size):
         raise TrainError(problem)
@@ -154,7 +165,7 @@ def preflight(settings: RunConfig, paths: TrainPaths) -> tuple[LayerPlan, RowSpl
     )
     check_hidden_states(paths, split, len(plan.vllm_ids), target.hidden_size)
     log(f"checked: {split.describe()}, aux vLLM ids {plan.aux_vllm_ids}")
-    return plan, split
+    return TrainingInputs(plan, split, target)
 
 
 def training_processes(settings: RunConfig, granted: int | None) -> int:
@@ -236,15 +247,16 @@ def with_endpoint(command: list[str], endpoint: Endpoint | None) -> list[str]:
 
 
 @contextlib.contextmanager
-def capture_server(settings: RunConfig, paths: TrainPaths, split: RowSplit) -> Iterator[Endpoint | None]:
+def capture_server(settings: RunConfig, paths: TrainPaths, inputs: TrainingInputs) -> Iterator[Endpoint | None]:
     """The extraction server, for the rows past the disk budget (None when all are stored).
     Its files are deleted by speculators as it loads them; what a crash left goes here."""
+    split, plan = inputs.split, inputs.plan
     if split.captured == 0:
         yield None
         return
-    from draftsmith.extract import extraction_server_args, target_shape
+    from draftsmith.extract import extraction_server_args, sample_shape  # torch: only when capturing
 
-    plan, shape = target_shape(settings)
+    shape = sample_shape(settings, inputs.target, plan)
     shutil.rmtree(paths.capture, ignore_errors=True)
     paths.capture.mkdir(parents=True)
     # Its numerics are the extraction server's; only its access log (a line per row) is off.
@@ -274,7 +286,8 @@ def link_dataset_view(paths: TrainPaths) -> None:
 
 def run(settings: RunConfig, paths: TrainPaths, granted: int | None = None, untrained: bool = False) -> None:
     processes = training_processes(settings, granted)
-    plan, split = preflight(settings, paths)
+    inputs = preflight(settings, paths)
+    plan, split = inputs.plan, inputs.split
     captures = split.captured > 0 and not untrained  # a dry run reads no data
     command = train_command(settings, plan, paths, processes, captures)
     paths.staging.mkdir(parents=True, exist_ok=True)
@@ -291,7 +304,7 @@ def run(settings: RunConfig, paths: TrainPaths, granted: int | None = None, untr
     reset_if_changed(paths, args, settings.training.epochs, software)
     drop_unfinished_epoch(paths.checkpoints)
     requests = 0
-    with capture_server(settings, paths, split) as endpoint:
+    with capture_server(settings, paths, inputs) as endpoint:
         run_trainer(with_endpoint(command, endpoint), paths.metrics, settings.training.stall_timeout_s)
         if endpoint is not None:
             requests = capture_requests(endpoint)
