@@ -45,10 +45,16 @@ def run_until(workdir: Path, condition, timeout: float = 1800, stop: int = signa
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + timeout
-    while not condition():
-        assert process.poll() is None, "the workflow ended before the kill point"
-        assert time.monotonic() < deadline, "kill point not reached"
-        time.sleep(0.2)
+    try:
+        while not condition():
+            assert process.poll() is None, "the workflow ended before the kill point"
+            assert time.monotonic() < deadline, "kill point not reached"
+            time.sleep(0.2)
+    except AssertionError:
+        if process.poll() is None:  # nothing of this run outlives the failed stop
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=300)
+        raise
     os.killpg(process.pid, stop)
     # After SIGINT Snakemake waits for its jobs to stop their servers; on a loaded 2-core
     # machine that once took more than 120 s, so allow 300 s.

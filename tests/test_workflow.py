@@ -26,6 +26,7 @@ pytestmark = pytest.mark.e2e
 
 def test_interrupted_anywhere_the_same_commands_finish_without_redoing_work(interrupted_demo, tmp_path):
     workdir, stops = interrupted_demo
+    assert not isinstance(stops, str), stops
     assert heavy_processes() == []
     # After Ctrl-C the same command asked only for the questions not answered.
     assert stops.answered_before_ctrl_c >= 60
