@@ -141,12 +141,11 @@ DERIVED = {
         ("evaluation.num_speculative_tokens",),
         lambda c: typed(c).evaluation.draft_lengths[0],
     ),
-    # Unset (None) while every hidden state is stored: see MODE_SETTINGS.
+    # A mode off by default is None while off (see below).
     "hidden_states.limited_budget": (
         ("hidden_states.disk_budget",),
         lambda c: typed(c).hidden_states.limited_budget,
     ),
-    # Unset (None) while rows are stored as served: see MODE_SETTINGS.
     "hidden_states.fp8_storage": (
         ("hidden_states.stored_dtype",),
         lambda c: True if typed(c).hidden_states.fp8 else None,
@@ -165,11 +164,13 @@ DERIVED = {
         ),
     ),
 }
-# Settings of a mode that is off by default: left out of params while None, so the runs
-# made before the mode existed keep their params (and are not re-run by an upgrade).
-MODE_SETTINGS = frozenset(
-    {"hidden_states.limited_budget", "hidden_states.capture_numerics", "hidden_states.fp8_storage"}
-)
+
+
+def off(key: str, value: Any) -> bool:
+    """A derived setting that is None is a mode left off (a disk budget, fp8 storage): it is
+    left out of params, so the runs made before the mode existed keep theirs and are not
+    re-run by an upgrade. A new mode off by default is a derived setting that is None."""
+    return key in DERIVED and value is None
 
 
 # Settings whose every value is a job of its own (the value is in the output's name): a new
@@ -442,7 +443,7 @@ def tracked_settings(config: dict[str, Any], rule: str) -> dict[str, Any]:
     """What the rule's params carry: a change of any of these re-runs it."""
     stage = STAGES[rule]
     values = {key: lookup(config, key) for key in stage.tracked}
-    values = {key: value for key, value in values.items() if not (key in MODE_SETTINGS and value is None)}
+    values = {key: value for key, value in values.items() if not off(key, value)}
     if stage.software:
         values["software"] = {name: installed_version(name) for name in stage.software}
     return values
@@ -453,7 +454,7 @@ def item_settings(config: Mapping[str, Any], rule: str) -> dict[str, Any]:
     is set aside. Extent settings are left out, so more shards or epochs reuse it."""
     stage = STAGES[rule]
     values = {key: _lookup_or_none(config, key) for key in stage.shaping}
-    values = {key: value for key, value in values.items() if not (key in MODE_SETTINGS and value is None)}
+    values = {key: value for key, value in values.items() if not off(key, value)}
     values["software"] = {name: installed_version(name) for name in stage.software}
     return values
 
