@@ -210,10 +210,11 @@ def _default_measurement(job: Measurement, concurrency: int) -> tuple[Phase, Tal
     return phase, merged(phase.categories.values())
 
 
-def legacy_fields(
+def headline(
     drafter: Measurement, baseline: Measurement, untrained: Measurement | None, k: int, concurrency: int
 ) -> dict[str, Any]:
-    """acceptance.json's top level as before: held-out, default draft length and concurrency, greedy."""
+    """acceptance.json's top level, the numbers read first: held-out, the default draft length
+    and concurrency, greedy."""
     phase, tally = _default_measurement(drafter, concurrency)
     base_phase, base = _default_measurement(baseline, concurrency)
     with_speed, without_speed = (
@@ -264,7 +265,7 @@ def summarize(
     settings: RunConfig, baseline: Measurement, drafters: dict[int, Measurement], untrained: Measurement | None
 ) -> dict[str, Any]:
     k, concurrency = settings.evaluation.draft_lengths[0], settings.evaluation.concurrencies[0]
-    result = legacy_fields(drafters[k], baseline, untrained, k, concurrency)
+    result = headline(drafters[k], baseline, untrained, k, concurrency)
     result["results"] = [row for length in sorted(drafters) for row in result_rows(drafters[length], baseline)]
     result["recommendation"] = recommend(drafters, baseline)
     return result

@@ -195,8 +195,17 @@ class Layout:
     def plan_table(self) -> Path:
         return self.results / "plan.txt"
 
-    def report_file(self, name: str) -> Path:
-        return self.results / "report" / name
+    @property
+    def completion_lengths_plot(self) -> Path:
+        return self.results / "report" / "completion_lengths.png"
+
+    @property
+    def training_curves_plot(self) -> Path:
+        return self.results / "report" / "training_curves.png"
+
+    @property
+    def run_metadata(self) -> Path:
+        return self.results / "report" / "run_metadata.txt"
 
 
 @dataclass(frozen=True)

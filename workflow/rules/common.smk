@@ -97,7 +97,7 @@ def final_outputs():
     return [
         path(LAYOUT.acceptance),
         path(LAYOUT.plan_json),
-        path(LAYOUT.report_file("completion_lengths.png")),
-        path(LAYOUT.report_file("training_curves.png")),
-        path(LAYOUT.report_file("run_metadata.txt")),
+        path(LAYOUT.completion_lengths_plot),
+        path(LAYOUT.training_curves_plot),
+        path(LAYOUT.run_metadata),
     ]

@@ -4,7 +4,7 @@ rule completion_lengths:
         completion_shards(),
     output:
         report(
-            path(LAYOUT.report_file("completion_lengths.png")),
+            path(LAYOUT.completion_lengths_plot),
             caption="../report/completion_lengths.rst",
             category="Data",
         ),
@@ -22,7 +22,7 @@ rule training_curves:
         path(LAYOUT.drafter),
     output:
         report(
-            path(LAYOUT.report_file("training_curves.png")),
+            path(LAYOUT.training_curves_plot),
             caption="../report/training_curves.rst",
             category="Training",
         ),
@@ -44,7 +44,7 @@ rule run_metadata:
         path(LAYOUT.acceptance),
     output:
         report(
-            path(LAYOUT.report_file("run_metadata.txt")),
+            path(LAYOUT.run_metadata),
             caption="../report/run_metadata.rst",
             category="Run",
         ),
