@@ -5,6 +5,7 @@ import json
 
 from draftsmith import dataset
 from draftsmith.dataset import merge_completions
+from draftsmith.records import RowIds
 from draftsmith.run_config import RunConfig
 
 
@@ -50,7 +51,7 @@ def test_answers_cut_to_the_same_row_keep_every_question_id(tiny_tokenizer, tmp_
         "dataset": {"seq_length": seq_length, "min_trainable_tokens": 1},
     }
     dataset.run(RunConfig.from_dict(settings), shards, tmp_path / "staging", tmp_path / "out")
-    row_ids = json.loads((tmp_path / "out/row_ids.json").read_text())
+    row_ids = RowIds.read(tmp_path / "out").ids
     assert sorted(row_ids) == ["q-a", "q-b", "q-c", "q-d"]
     from datasets import load_from_disk
 

@@ -27,6 +27,8 @@ import pytest
 import yaml
 from conftest import copy_workflow
 
+from draftsmith.records import RowIds
+
 ROOT = Path(__file__).resolve().parents[1]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 PROFILE = ["--workflow-profile", "slurm-cpu"]
@@ -200,7 +202,7 @@ def test_the_same_questions_as_a_local_run(slurm_run, local_questions):
         assert sorted(answered) == sorted(expected), f"shard {shard}"
     assert ids(results / "questions/heldout.jsonl") == ids(local_questions / "heldout.jsonl")
     everything = [i for shard in range(SHARDED["generate"]) for i in ids(local_questions / f"shard_{shard}.jsonl")]
-    row_ids = json.loads((results / "dataset/row_ids.json").read_text())
+    row_ids = RowIds.read(results / "dataset").ids
     assert sorted(row_ids) == sorted(everything)
     # Both extraction shards together hold every row once.
     manifests = [

@@ -20,7 +20,7 @@ from draftsmith.demo_model import build_demo_model
 from draftsmith.disk_budget import dataset_row_tokens, row_bytes
 from draftsmith.layers import resolve_layers
 from draftsmith.layout import TrainPaths
-from draftsmith.records import TrainingMetrics
+from draftsmith.records import RowIds, TrainingMetrics
 from draftsmith.run_config import RunConfig
 from draftsmith.server import Endpoint
 from draftsmith.slot import GpuSlotError
@@ -86,7 +86,7 @@ def dataset(target, tmp_path_factory) -> Path:
         check=True,
         stdin=subprocess.DEVNULL,
     )
-    (output / "row_ids.json").write_text(json.dumps([f"q-{i}" for i in range(ROWS)]))
+    RowIds([f"q-{i}" for i in range(ROWS)]).write(output)
     return output
 
 

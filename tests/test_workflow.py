@@ -18,7 +18,7 @@ from conftest import heavy_processes
 from demo_run import demo_config, snakemake
 from interrupt import count, uninterrupted_question_ids
 
-from draftsmith.records import ShardManifest
+from draftsmith.records import RowIds, ShardManifest
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.e2e
@@ -44,7 +44,7 @@ def test_interrupted_anywhere_the_same_commands_finish_without_redoing_work(inte
         for line in p.read_text().splitlines()
     ]
     assert sorted(answered) == planned
-    row_ids = json.loads((workdir / "results/dataset/row_ids.json").read_text())
+    row_ids = RowIds.read(workdir / "results/dataset").ids
     assert sorted(row_ids) == planned
     assert count("results/hidden_states/all/hs_*.safetensors", workdir) == len(row_ids)
     # Training resumed from its checkpoints instead of starting over.
@@ -130,7 +130,7 @@ def test_every_question_is_answered_once_and_traceable(demo_run):
         for line in shard.read_text().splitlines()
     ]
     assert len(answered) == len(set(answered)) == summary["train"]
-    row_ids = json.loads((demo_run / "results/dataset/row_ids.json").read_text())
+    row_ids = RowIds.read(demo_run / "results/dataset").ids
     assert sorted(row_ids) == sorted(answered)
     links = list((demo_run / "results/hidden_states/all").glob("hs_*.safetensors"))
     assert len(links) == len(row_ids) and all(link.is_symlink() for link in links)

@@ -24,11 +24,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from draftsmith.atomic import atomic_write_text, publish_directory
+from draftsmith.atomic import publish_directory
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.errors import DraftsmithError
-from draftsmith.layout import ROW_IDS, TOKEN_FREQUENCIES
+from draftsmith.layout import TOKEN_FREQUENCIES
 from draftsmith.progress import log
+from draftsmith.records import RowIds
 from draftsmith.run_config import RunConfig
 
 SPECULATORS_CLI = [sys.executable, "-m", "speculators"]
@@ -152,7 +153,7 @@ def run(settings: RunConfig, completions: list[Path], staging: Path, output: Pat
         raise DatasetError(f"speculators prepare-data failed (exit {result.returncode}); see the log above")
 
     row_ids = row_question_ids(prepared, ids_by_row)
-    atomic_write_text(prepared / ROW_IDS, json.dumps(row_ids) + "\n")
+    RowIds(row_ids).write(prepared)
     log(f"dataset: {len(row_ids)} rows ({answers - len(row_ids)} dropped by prepare-data)")
     publish_directory(prepared, output)
 

@@ -1,5 +1,7 @@
 """Records one stage writes and another reads: one type each, used by both sides.
 
+- ``RowIds``: the question id of each dataset row (``dataset/row_ids.json``; prepare-data drops
+  the ids), written by the dataset stage, read by training's messages and fingerprint.
 - ``ShardManifest``: what an extraction shard holds (``hidden_states/shard_<i>/manifest.json``),
   read by the training view (how many rows are stored) and fingerprinted by training.
 - ``TrainingMetrics``: what training did (``drafter/training_metrics.json``), read by the
@@ -21,7 +23,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from draftsmith.atomic import atomic_write_text
-from draftsmith.layout import SHARD_MANIFEST, TRAINING_METRICS
+from draftsmith.layout import ROW_IDS, SHARD_MANIFEST, TRAINING_METRICS
 
 
 class _Record:
@@ -33,6 +35,21 @@ class _Record:
     @classmethod
     def from_json(cls, text: str) -> Self:
         return cls(**json.loads(text))
+
+
+@dataclass(frozen=True)
+class RowIds:
+    """Row -> question id of a prepared dataset: a JSON list, in row order, each id once."""
+
+    ids: list[str]
+
+    def write(self, dataset: Path) -> None:
+        atomic_write_text(dataset / ROW_IDS, json.dumps(self.ids) + "\n")
+
+    @classmethod
+    def read(cls, dataset: Path) -> RowIds | None:
+        path = dataset / ROW_IDS
+        return cls(json.loads(path.read_text())) if path.is_file() else None
 
 
 @dataclass(frozen=True)

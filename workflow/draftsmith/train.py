@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import shutil
 import signal
 import sys
@@ -44,12 +43,12 @@ from draftsmith.drafter_publish import capture_requests, publish
 from draftsmith.errors import TrainError
 from draftsmith.layers import LayerPlan, resolve_layers
 from draftsmith.layout import (
-    ROW_IDS,
     TOKEN_FREQUENCIES,
     TrainPaths,
     hidden_state_file,
 )
 from draftsmith.progress import log
+from draftsmith.records import RowIds
 from draftsmith.run_config import RunConfig
 from draftsmith.server import Endpoint, ServerSpec, managed_server
 from draftsmith.settings import item_settings
@@ -98,10 +97,8 @@ CAPTURE_API_KEY = "EMPTY"
 
 
 def row_label(dataset: Path, row: int) -> str:
-    row_ids = dataset / ROW_IDS
-    if row_ids.is_file():
-        return f"row {row} (question {json.loads(row_ids.read_text())[row]})"
-    return f"row {row}"
+    row_ids = RowIds.read(dataset)
+    return f"row {row} (question {row_ids.ids[row]})" if row_ids else f"row {row}"
 
 
 def check_dataset(dataset: Path) -> int:
