@@ -8,7 +8,7 @@ the same keys.
 A job sees only the keys its rule declares (``settings.stage_view``), so a section may be
 built from a partial dict: the settings its rule left out hold ``UNDECLARED``, and reading one
 raises :class:`UndeclaredSetting` naming the key and where to declare it. A stage therefore
-cannot depend on a setting its rule's params do not track.
+cannot depend on a setting its rule does not account for.
 
 What a change of each key re-runs is per rule, not per key (``device`` shapes the trained
 drafter but is only placement for generation), so that table stays in ``settings.STAGES``.
