@@ -65,7 +65,7 @@ class Section:
         """The section from its config dict; keys absent from it are ``UNDECLARED``, except
         those with a default (keys the schema cannot fill in: inside a set or an endpoint)."""
         hints = _hints(cls)
-        section = cls(
+        return cls(
             **{
                 f.name: _typed(hints[f.name], values[f.name])
                 if f.name in values
@@ -74,9 +74,6 @@ class Section:
                 if f.init
             }
         )
-        if "source" in {f.name for f in fields(cls) if not f.init}:
-            object.__setattr__(section, "source", values)
-        return section
 
 
 _HINTS: dict[str, dict[str, Any]] = {}
@@ -271,6 +268,12 @@ class RunConfig(Section):
     evaluation: EvaluationSettings
     # The dict it was built from: the re-run registry (settings.py) fingerprints dotted keys of it.
     source: Mapping[str, Any] = field(init=False, repr=False)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> Self:
+        run = super().from_dict(values)
+        object.__setattr__(run, "source", values)  # frozen: set once, here
+        return run
 
     @property
     def on_cuda(self) -> bool:
