@@ -1,8 +1,10 @@
 """The training stage: real `speculators train` on CPU over a tiny target and synthetic states."""
 
 import json
+import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -10,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import heavy_processes_after, write_shard_manifest
+from conftest import heavy_processes_after, server_settings, write_shard_manifest
 from datasets import Dataset, load_from_disk
 from safetensors.torch import save_file
 from transformers import AutoConfig
@@ -217,13 +219,80 @@ def test_rerun_with_more_epochs_resumes_from_checkpoint(target, dataset, hidden_
     assert [e["epoch"] for e in TrainingMetrics.read(paths.output).epochs] == [0, 1]
 
 
+# The training stage in a process of its own, as Snakemake starts it (run_main is left out:
+# it would tie the stage to this test process as to its launcher).
+STAGE = (
+    "import json, sys; from pathlib import Path; from draftsmith import train; "
+    "from draftsmith.layout import TrainPaths; from draftsmith.run_config import RunConfig; "
+    "train.run(RunConfig.from_dict(json.loads(sys.argv[1])), TrainPaths(*map(Path, sys.argv[2:])))"
+)
+
+
+def kill_after_checkpoint(config: dict, paths: TrainPaths, epoch: int, log: Path) -> None:
+    """Start the stage and SIGKILL its process group as soon as ``epoch``'s checkpoint is
+    complete: while that epoch is validated, or just after."""
+    argv = [sys.executable, "-c", STAGE, json.dumps(config)]
+    argv += map(str, (paths.dataset, paths.hidden_states, paths.staging, paths.output))
+    with log.open("w") as output:
+        stage = subprocess.Popen(argv, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while not (paths.checkpoints / str(epoch) / "training_state.json").is_file():
+        assert stage.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"epoch {epoch} never finished"
+        time.sleep(0.02)
+    os.killpg(stage.pid, signal.SIGKILL)
+    stage.wait(timeout=60)
+    assert heavy_processes_after(20) == []  # the guards stopped the trainer and the capture server
+
+
+@pytest.mark.training
+@pytest.mark.vllm
+def test_killed_under_a_disk_budget_and_resumed_trains_exactly_as_uninterrupted(
+    target, dataset, hidden_states, tmp_path, capfd
+):
+    """3 rows stored, 5 captured from the capture server in every epoch. A SIGKILL once epoch
+    1's checkpoint is written, then the same stage: every epoch's losses and the published
+    drafter equal an uninterrupted run's, bit for bit. Two causes broke this: speculators'
+    checkpoints in bf16 (the resume started from rounded weights), and its validation after
+    the checkpoint (a kill in between lost the epoch's validation and best-epoch choice)."""
+    stored = tmp_path / "hidden_states"
+    stored.mkdir()
+    for row in range(3):
+        (stored / f"hs_{row}.safetensors").symlink_to(hidden_states / f"hs_{row}.safetensors")
+    budget = {"disk_budget": budget_for(target, dataset, 3), "stored_dtype": "served", "capture_memory_fraction": 0.5}
+    config = settings(target, epochs=4) | {"server": server_settings(target)["server"], "hidden_states": budget}
+    whole, resumed = (stage_paths(tmp_path / name, dataset, stored) for name in ("whole", "resumed"))
+
+    run(RunConfig.from_dict(config), whole)
+    kill_after_checkpoint(config, resumed, 1, tmp_path / "killed.log")
+    finished = sorted(p.parent.name for p in resumed.checkpoints.glob("[0-9]*/training_state.json"))
+    assert "3" not in finished, f"the kill came after the last epoch: {finished}"
+    capfd.readouterr()
+    run(RunConfig.from_dict(config), resumed)
+    assert "Resuming training on epoch" in capfd.readouterr().out
+
+    metrics = [TrainingMetrics.read(paths.output) for paths in (whole, resumed)]
+    assert metrics[0].rows_captured_per_epoch == 5 and metrics[1].capture_requests > 0
+    assert [e["epoch"] for e in metrics[0].epochs] == [0, 1, 2, 3]
+    assert metrics[1].epochs == metrics[0].epochs  # every loss and accuracy, to the last bit
+    weights = [(paths.output / "model.safetensors").read_bytes() for paths in (whole, resumed)]
+    assert weights[0] == weights[1]
+
+
 def test_changed_arguments_or_unfinished_epoch_drop_checkpoints(target, dataset, hidden_states, tmp_path):
     paths = stage_paths(tmp_path, dataset, hidden_states)
     plan = resolve_layers(LAYERS, 6)
     for epoch in ("0", "1"):
         (paths.checkpoints / epoch).mkdir(parents=True)
     (paths.checkpoints / "0" / "training_state.json").write_text("{}")
-    drop_unfinished_epoch(paths.checkpoints)  # epoch 1 lacks the state file written last
+    drop_unfinished_epoch(paths)  # epoch 1 lacks the state file written last
+    assert sorted(p.name for p in paths.checkpoints.iterdir()) == ["0"]
+    (paths.checkpoints / "1").mkdir()
+    (paths.checkpoints / "1" / "training_state.json").write_text("{}")
+    paths.metrics.write_text(json.dumps({"epoch": 0, "val": {"loss_epoch": 1.0}}) + "\n")
+    drop_unfinished_epoch(paths)  # epoch 1 is whole, but its validation never finished
+    assert sorted(p.name for p in paths.checkpoints.iterdir()) == ["0"]
+    drop_unfinished_epoch(paths)  # epoch 0 was validated: it stays
     assert sorted(p.name for p in paths.checkpoints.iterdir()) == ["0"]
 
     software = {"speculators": "0.9.0"}

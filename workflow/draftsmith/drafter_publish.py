@@ -9,6 +9,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors.torch import load_file, save_file
+
 from draftsmith.atomic import atomic_write_text, publish_directory
 from draftsmith.disk_budget import RowSplit
 from draftsmith.errors import TrainError
@@ -18,16 +21,28 @@ from draftsmith.progress import log
 from draftsmith.records import TrainingMetrics
 from draftsmith.server import Endpoint, counter_totals, read_metrics
 
-DRAFTER_FILES = ("config.json", "model.safetensors")  # what vLLM loads; no optimizer state
+DRAFTER_CONFIG, DRAFTER_WEIGHTS = "config.json", "model.safetensors"  # what vLLM loads; no optimizer state
+# The drafter is published in the dtype speculators publishes; its checkpoints are fp32 so that
+# a resume is exact (speculators_cpu.lossless_checkpoints), and the dry run saves fp32 on a CPU.
+DRAFTER_DTYPE = torch.bfloat16
+CONFIG_DTYPE_KEYS = ("dtype", "torch_dtype")  # transformers 5 writes the first, 4 the second
+
+
+def write_weights(checkpoint: Path, drafter: Path) -> None:
+    weights = load_file(checkpoint / DRAFTER_WEIGHTS)
+    converted = {name: t.to(DRAFTER_DTYPE) if t.is_floating_point() else t for name, t in weights.items()}
+    save_file(converted, drafter / DRAFTER_WEIGHTS, metadata={"format": "pt"})
 
 
 def stage_drafter(epoch_dir: Path, plan: LayerPlan, drafter: Path) -> None:
-    """Copy what vLLM loads and make sure the config names the aux layers we extracted."""
+    """Write what vLLM loads, in bf16, with a config that names the aux layers we extracted."""
     drafter.mkdir(parents=True)
-    for name in DRAFTER_FILES:
-        shutil.copy2(epoch_dir / name, drafter / name)
-    config_path = drafter / "config.json"
-    config = json.loads(config_path.read_text())
+    write_weights(epoch_dir, drafter)
+    config_path = drafter / DRAFTER_CONFIG
+    config = json.loads((epoch_dir / DRAFTER_CONFIG).read_text())
+    for key in CONFIG_DTYPE_KEYS:
+        if key in config:
+            config[key] = str(DRAFTER_DTYPE).removeprefix("torch.")
     model_type = config.get("speculators_model_type")
     if model_type != "eagle3":
         raise TrainError(
@@ -39,7 +54,7 @@ def stage_drafter(epoch_dir: Path, plan: LayerPlan, drafter: Path) -> None:
     if found != plan.aux_vllm_ids:
         log(f"setting eagle_aux_hidden_state_layer_ids {found} -> {plan.aux_vllm_ids}")
         config["eagle_aux_hidden_state_layer_ids"] = plan.aux_vllm_ids
-        atomic_write_text(config_path, json.dumps(config, indent=2) + "\n")
+    atomic_write_text(config_path, json.dumps(config, indent=2) + "\n")
 
 
 def read_metric_records(metrics_file: Path) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:

@@ -19,6 +19,13 @@ Independently, ``DRAFTSMITH_METRICS_FILE=PATH`` appends every metric record spec
 logs (per step and per validation epoch) to PATH as JSON lines: speculators keeps them
 only on the console unless tensorboard/wandb/trackio/mlflow is installed.
 
+On every device, each epoch's checkpoint keeps the weights and optimizer state exactly
+(``lossless_checkpoints``): speculators rounds both to bf16 when it saves, so a run resumed
+from a checkpoint trained on from rounded fp32 weights, rounded Adam moments and a rounded
+step count (bf16 holds integers exactly only up to 256), and its losses left the
+uninterrupted run's from the first epoch after the restart. The published drafter is still
+bf16 (drafter_publish.py converts it, as speculators would have).
+
 And for rows captured while training (``--on-missing generate``, see train.py), on every
 device: the wait for a captured file's lock polls every 10 ms instead of 100 ms (the
 file is written just after the response; the extraction stage measured the default
@@ -45,7 +52,11 @@ THIRD_PARTY = [
     ("speculators.train.trainer", "Trainer.setup_model"),
     ("torch.optim._muon", "_zeropower_via_newtonschulz"),
     ("hs_connectors.transfer", "wait_for_lock"),
+    ("speculators.train.checkpointer", "SingleGPUCheckpointer.save_checkpoint"),
+    ("speculators.train.checkpointer", "DistributedCheckpointer.save_checkpoint"),
 ]
+# fp32 holds every fp32 and bf16 value exactly: a checkpoint in it resumes bit for bit.
+CHECKPOINT_DTYPE = torch.float32
 CAPTURE_LOCK_POLL_S = 0.01
 
 
@@ -125,6 +136,20 @@ def after_logging_setup(metrics_file: Path | None) -> None:
     cli.setup_metric_logger = setup_then_adjust
 
 
+def lossless_checkpoints() -> None:
+    """Save checkpoints in fp32 instead of speculators' default bf16 (its ``float_dtype``
+    argument, which no flag of its CLI sets), so a resumed run continues exactly."""
+    from speculators.train import checkpointer
+
+    for saver in (checkpointer.SingleGPUCheckpointer, checkpointer.DistributedCheckpointer):
+        save = saver.save_checkpoint
+
+        def save_exactly(self, model, optimizer, epoch, float_dtype=None, _save=save) -> None:
+            _save(self, model, optimizer, epoch, float_dtype=CHECKPOINT_DTYPE)
+
+        saver.save_checkpoint = save_exactly  # type: ignore[method-assign]
+
+
 def quicker_capture_wait() -> None:
     """A captured file is read once its writer releases the lock; poll it every 10 ms."""
     from hs_connectors import transfer
@@ -142,6 +167,7 @@ def main() -> None:
     metrics_file = os.environ.get(METRICS_FILE_ENV)
     after_logging_setup(Path(metrics_file) if metrics_file else None)
     quicker_capture_wait()
+    lossless_checkpoints()
     app()  # reads sys.argv like the `speculators` console script
 
 

@@ -299,7 +299,7 @@ def run(settings: RunConfig, paths: TrainPaths, granted: int | None = None, untr
     args = speculators_args(settings, plan, paths, captures)
     software = item_settings(settings.source, "train")["software"]
     reset_if_changed(paths, args, settings.training.epochs, software)
-    drop_unfinished_epoch(paths.checkpoints)
+    drop_unfinished_epoch(paths)
     requests = 0
     with capture_server(settings, paths, inputs) as endpoint:
         run_trainer(with_endpoint(command, endpoint), paths.metrics, settings.training.stall_timeout_s)

@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 from datasets import load_from_disk
 
 from draftsmith.atomic import atomic_write_text
+from draftsmith.drafter_publish import read_metric_records
 from draftsmith.errors import TrainError
 from draftsmith.layout import HIDDEN_STATE_GLOB, ROW_IDS, SHARD_MANIFEST, TrainPaths
 from draftsmith.progress import log
@@ -90,13 +91,24 @@ def epoch_dirs(checkpoints: Path) -> list[Path]:
     return sorted(found, key=lambda d: int(d.name))
 
 
-def drop_unfinished_epoch(checkpoints: Path) -> None:
-    """A crash while saving leaves an epoch without training_state.json (written last);
-    speculators would try to resume from it, so it goes and that epoch is retrained."""
-    epochs = epoch_dirs(checkpoints)
-    if epochs and not (epochs[-1] / "training_state.json").is_file():
-        log(f"removing unfinished checkpoint {epochs[-1]}")
-        shutil.rmtree(epochs[-1])
+def drop_unfinished_epoch(paths: TrainPaths) -> None:
+    """The newest epoch counts only if its checkpoint is whole (training_state.json is written
+    last) and the epoch was validated. speculators saves an epoch before validating it and
+    resumes after it without validating it, so a kill in between lost that epoch's validation
+    and its chance to be the published (best) epoch. Such an epoch goes and is trained again
+    from the one before: checkpoints are exact (speculators_cpu), so it comes out the same."""
+    epochs = epoch_dirs(paths.checkpoints)
+    if not epochs:
+        return
+    newest = epochs[-1]
+    if not (newest / "training_state.json").is_file():
+        reason = "unfinished checkpoint"
+    elif int(newest.name) not in read_metric_records(paths.metrics)[1]:
+        reason = "checkpoint of an epoch whose validation did not finish"
+    else:
+        return
+    log(f"removing {reason} {newest}")
+    shutil.rmtree(newest)
 
 
 def chosen_epoch(checkpoints: Path) -> Path:
