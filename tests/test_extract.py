@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -287,15 +288,27 @@ def test_a_row_captured_while_training_equals_the_stored_row(
     inputs = train.TrainingInputs(resolve_layers(list(run.layers), target.num_hidden_layers), RowSplit(rows, 0), target)
     with train.capture_server(run, paths, inputs) as endpoint:
         assert endpoint is not None and endpoint.api_key == train.CAPTURE_API_KEY
-        online = ArrowDataset(
+        arrow_args = dict(
             max_len=512, datapath=str(dataset_dir), transfer=FileTransfer(empty), vllm_endpoint=endpoint.base_url
         )
-        for row in (2, 3, 5, rows - 1):
-            captured = online[row]
+        online = ArrowDataset(**arrow_args)
+
+        def check(row: int, captured: dict) -> None:
             want = load_file(hidden_state_file(stored, row))
             assert captured["input_ids"].tolist() == want["token_ids"].tolist() == tiny_rows()[row]
             assert torch.equal(captured["hidden_states"], want["hidden_states"][:, :-1].flatten(1)), f"row {row}"
             assert torch.equal(captured["verifier_last_hidden_states"], want["hidden_states"][:, -1]), f"row {row}"
+
+        # A row is the same whatever the server did before: captured cold (the extraction
+        # server stored it in batches of 4), again from a warm prefix cache (row 10 repeats
+        # row 3), and in a batch of other rows (a resumed training asks in another order).
+        for row in (2, 3, 5, rows - 1, 5):
+            check(row, online[row])
+        batch = (2, 3, 5, 7)
+        with ThreadPoolExecutor(len(batch)) as pool:
+            datasets = [ArrowDataset(**arrow_args) for _ in batch]
+            for row, captured in zip(batch, pool.map(lambda d, r: d[r], datasets, batch)):
+                check(row, captured)
         assert list(paths.capture.iterdir()) == []  # each file deleted once loaded
     assert not paths.capture.exists()
 
