@@ -307,7 +307,7 @@ def test_a_row_captured_while_training_equals_the_stored_row(
         batch = (2, 3, 5, 7)
         with ThreadPoolExecutor(len(batch)) as pool:
             datasets = [ArrowDataset(**arrow_args) for _ in batch]
-            for row, captured in zip(batch, pool.map(lambda d, r: d[r], datasets, batch)):
+            for row, captured in zip(batch, pool.map(lambda d, r: d[r], datasets, batch), strict=True):
                 check(row, captured)
         assert list(paths.capture.iterdir()) == []  # each file deleted once loaded
     assert not paths.capture.exists()

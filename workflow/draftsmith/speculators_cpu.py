@@ -52,8 +52,8 @@ THIRD_PARTY = [
     ("speculators.train.trainer", "Trainer.setup_model"),
     ("torch.optim._muon", "_zeropower_via_newtonschulz"),
     ("hs_connectors.transfer", "wait_for_lock"),
-    ("speculators.train.checkpointer", "SingleGPUCheckpointer.save_checkpoint"),
-    ("speculators.train.checkpointer", "DistributedCheckpointer.save_checkpoint"),
+    ("speculators.train.checkpointer", "SingleGPUCheckpointer"),
+    ("speculators.train.checkpointer", "DistributedCheckpointer"),
 ]
 # fp32 holds every fp32 and bf16 value exactly: a checkpoint in it resumes bit for bit.
 CHECKPOINT_DTYPE = torch.float32
