@@ -420,12 +420,15 @@ def assert_moe_parity(model_path: Path, output: Path) -> list[tuple[float, float
     """Parity for a mixture of experts, where a bf16 rounding can flip a token's expert.
 
     A flip moves that token far (HF's own bf16 forward is up to 0.58 away from its fp32
-    forward on single tokens of this model), so the maximum says nothing; the median over a
-    row's tokens does. The bound comes from the floor measured here, on the same row and
-    layer: vLLM's median error may be at most twice HF's bf16-vs-fp32 median plus 0.01.
-    The previous layer (the old off-by-one) and the post-norm state must be beyond it.
-    Returns (vLLM median, floor median, nearest wrong median) for every row and layer."""
-    measured = []
+    forward on single tokens of this model), so the maximum says nothing; the median does.
+    It is taken per layer over every row's tokens together: a row of one or three tokens has
+    a "median" that one flipped expert decides (0.056 against a bound of 0.033 on an
+    AVX-512 host, where vLLM's CPU kernels round differently). The bound comes from the
+    floor measured on the same tokens: vLLM's median error may be at most twice HF's
+    bf16-vs-fp32 median plus 0.01. The previous layer (the old off-by-one) and the post-norm
+    state must be beyond it. Returns (vLLM median, floor median, nearest wrong median) per layer."""
+    errors, floors = [[] for _ in CONFIG_LAYERS], [[] for _ in CONFIG_LAYERS]
+    wrongs: list[list[list[torch.Tensor]]] = [[[], []] for _ in CONFIG_LAYERS]
     for row, token_ids in enumerate(tiny_rows()):
         stored = load_file(hidden_state_file(output, row))
         exact = hf_states(model_path, token_ids)
@@ -434,14 +437,18 @@ def assert_moe_parity(model_path: Path, output: Path) -> list[tuple[float, float
             got = stored["hidden_states"][:, index, :].float()
             final = layer == NUM_LAYERS - 1
             at = -1 if final else layer + 1  # the output of decoder layer `layer`
-            error = token_errors(got, exact[at]).median().item()
-            floor = token_errors(rounded[at], exact[at]).median().item()
-            bound = 2 * floor + 0.01
-            assert error <= bound, f"row {row} config layer {layer}: median error {error:.4f} > {bound:.4f}"
-            wrong = [exact[layer]] + ([exact[NUM_LAYERS]] if final else [])
-            nearest_wrong = min(token_errors(got, w).median().item() for w in wrong)
-            assert nearest_wrong > bound, f"row {row} config layer {layer}: a wrong state is within {bound:.4f}"
-            measured.append((error, floor, nearest_wrong))
+            errors[index].append(token_errors(got, exact[at]))
+            floors[index].append(token_errors(rounded[at], exact[at]))
+            for kind, wrong in enumerate([exact[layer]] + ([exact[NUM_LAYERS]] if final else [])):
+                wrongs[index][kind].append(token_errors(got, wrong))
+    measured = []
+    for index, layer in enumerate(CONFIG_LAYERS):
+        error, floor = (torch.cat(tokens).median().item() for tokens in (errors[index], floors[index]))
+        bound = 2 * floor + 0.01
+        assert error <= bound, f"config layer {layer}: median error {error:.4f} > {bound:.4f}"
+        nearest_wrong = min(torch.cat(tokens).median().item() for tokens in wrongs[index] if tokens)
+        assert nearest_wrong > bound, f"config layer {layer}: a wrong state is within {bound:.4f}"
+        measured.append((error, floor, nearest_wrong))
     return measured
 
 
