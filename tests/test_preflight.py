@@ -69,12 +69,15 @@ def test_a_missing_patched_vllm_class_is_named(monkeypatch, target, tmp_path):
     assert len(problems) == 1 and "base.RotaryEmbedding (AttributeError)" in problems[0]
 
 
+ALL_PLUGINS = ["draftsmith_cpu_rope", "draftsmith_cpu_sampling", "draftsmith_cpu_amx", "draftsmith_cpu_seeded"]
+
+
 @pytest.mark.parametrize(
     "plugins, left_out",
     [
-        ("lora_filesystem_resolver", ["draftsmith_cpu_rope", "draftsmith_cpu_sampling", "draftsmith_cpu_amx"]),
-        ("", ["draftsmith_cpu_rope", "draftsmith_cpu_sampling", "draftsmith_cpu_amx"]),
-        ("draftsmith_cpu_rope,draftsmith_cpu_amx", ["draftsmith_cpu_sampling"]),
+        ("lora_filesystem_resolver", ALL_PLUGINS),
+        ("", ALL_PLUGINS),
+        ("draftsmith_cpu_rope,draftsmith_cpu_amx,draftsmith_cpu_seeded", ["draftsmith_cpu_sampling"]),
     ],
 )
 def test_vllm_plugins_that_leave_out_a_cpu_fix_are_named(plugins, left_out, monkeypatch, target, tmp_path):
