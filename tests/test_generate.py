@@ -44,17 +44,30 @@ def assert_complete_and_well_formed(output, questions):
         assert mask == [0] * record["prompt_tokens"] + [1] * record["completion_tokens"]
 
 
-@pytest.mark.vllm
-def test_answers_keep_think_tags_and_mask_only_the_answer(demo_target, tmp_path):
-    questions = write_questions(tmp_path / "q.jsonl", 6)
-    settings = server_settings(demo_target) | {"generation": GENERATION}
-    generate.run(
-        RunConfig.from_dict(settings), tmp_path / "q.jsonl", tmp_path / "staging", tmp_path / "out.jsonl", None
-    )
+def long_question(words: int) -> dict:
+    return {"id": "q-long", "messages": [{"role": "user", "content": " ".join(["count"] * words)}]}
 
+
+@pytest.fixture(scope="module")
+def generated(demo_target, tmp_path_factory):
+    """One real generation run (a server load costs CI about 40 s): six questions, then one
+    whose prompt fills the context, within a 20% error budget. Returns (questions answered,
+    work directory)."""
+    work = tmp_path_factory.mktemp("generated")
+    questions = write_questions(work / "q.jsonl", 6)
+    with (work / "q.jsonl").open("a") as handle:
+        handle.write(json.dumps(long_question(600)) + "\n")
+    settings = server_settings(demo_target) | {"generation": GENERATION | {"max_error_fraction": 0.2}}
+    generate.run(RunConfig.from_dict(settings), work / "q.jsonl", work / "staging", work / "out.jsonl", None)
+    return questions, work
+
+
+@pytest.mark.vllm
+def test_answers_keep_think_tags_and_mask_only_the_answer(demo_target, generated):
+    questions, work = generated
     tokenizer = AutoTokenizer.from_pretrained(demo_target)
     think_open, think_close = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
-    records = read_jsonl(tmp_path / "out.jsonl")
+    records = read_jsonl(work / "out.jsonl")
     assert [r["id"] for r in records] == [q["id"] for q in questions]
     for record, question in zip(records, questions, strict=True):
         ids, mask = record["input_ids"], record["loss_mask"]
@@ -72,6 +85,15 @@ def test_answers_keep_think_tags_and_mask_only_the_answer(demo_target, tmp_path)
         assert answer[0] == think_open and think_close in answer
         text = tokenizer.decode(answer, skip_special_tokens=False)
         assert text.startswith("<think>") and "</think>" in text
+
+
+@pytest.mark.vllm
+def test_an_overlong_prompt_within_the_error_budget_is_skipped_and_counted(generated):
+    questions, work = generated
+    assert_complete_and_well_formed(work / "out.jsonl", questions)
+    summary = json.loads((work / "staging" / "summary.json").read_text())
+    assert summary["failed"] == 1 and summary["asked_this_run"] == 6
+    assert summary["errors"]["q-long"].startswith("prompt of ") and "fills max_model_len" in summary["errors"]["q-long"]
 
 
 def test_failures_over_the_budget_fail_the_stage_and_publish_nothing(tmp_path):
@@ -156,10 +178,6 @@ def test_resharded_questions_take_their_answers_from_the_old_shards(tmp_path, ca
     assert all(r["input_ids"] == [1, 7, 7] for r in published)  # not the other settings' answers
 
 
-def long_question(words: int) -> dict:
-    return {"id": "q-long", "messages": [{"role": "user", "content": " ".join(["count"] * words)}]}
-
-
 def test_prompts_that_fill_the_context_fail_before_the_server_starts(demo_target, tmp_path):
     write_questions(tmp_path / "q.jsonl", 3)
     with (tmp_path / "q.jsonl").open("a") as handle:
@@ -175,18 +193,3 @@ def test_prompts_that_fill_the_context_fail_before_the_server_starts(demo_target
     )
     assert "e.g. q-long): raise server.max_model_len or drop them; nothing was started" in str(caught.value)
     assert time.monotonic() - started < 10  # a tokenizer pass, no model load
-
-
-@pytest.mark.vllm
-def test_an_overlong_prompt_within_the_error_budget_is_skipped_and_counted(demo_target, tmp_path):
-    questions = write_questions(tmp_path / "q.jsonl", 5)
-    with (tmp_path / "q.jsonl").open("a") as handle:
-        handle.write(json.dumps(long_question(600)) + "\n")
-    settings = server_settings(demo_target) | {"generation": GENERATION | {"max_error_fraction": 0.2}}
-    generate.run(
-        RunConfig.from_dict(settings), tmp_path / "q.jsonl", tmp_path / "staging", tmp_path / "out.jsonl", None
-    )
-    assert_complete_and_well_formed(tmp_path / "out.jsonl", questions)
-    summary = json.loads((tmp_path / "staging" / "summary.json").read_text())
-    assert summary["failed"] == 1 and summary["asked_this_run"] == 5
-    assert summary["errors"]["q-long"].startswith("prompt of ") and "fills max_model_len" in summary["errors"]["q-long"]
