@@ -5,8 +5,6 @@ use offset" at the first such request and every request after it fails."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import urllib.request
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -46,19 +44,6 @@ def test_only_the_cpu_runner_is_patched_and_only_once():
     assert not hasattr(GPUModelRunner._bookkeeping_sync, "__wrapped__")
 
 
-def test_a_process_that_never_imports_the_runner_does_not_pay_for_it():
-    """The API server and the engine core never import the model runner; the plugin must
-    not import it for them (about 0.7 s of each start), yet patch it where it is imported."""
-    check = (
-        "import sys; from draftsmith import vllm_cpu_seeded as plugin; plugin.register(); "
-        f"assert {vllm_cpu_seeded.RUNNER_MODULE!r} not in sys.modules, 'imported eagerly'; "
-        "from vllm.v1.worker.cpu_model_runner import CPUModelRunner; "
-        "assert CPUModelRunner.draftsmith_rewinds_by_state"
-    )
-    completed = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-
-
 def complete(endpoint: Endpoint, prompt: list[int], seed: int) -> list[int]:
     body = {
         "model": endpoint.model,
@@ -95,4 +80,6 @@ def test_a_seeded_prompt_prefilled_in_chunks_samples_as_from_the_prefix_cache(tm
         other_seed = complete(endpoint, prompt, seed=12)
     assert len(chunked) == 8 and chunked == cached, (chunked, cached)
     assert other_seed != chunked  # the seed, not the model alone, decides the tokens
-    assert "rewinding them by state instead" in log.read_text()
+    # Patched in the worker alone: the API server and the engine core never import the
+    # runner, and importing it for them would add about 0.7 s to each of their starts.
+    assert log.read_text().count("rewinding them by state instead") == 1
