@@ -79,10 +79,8 @@ def rewind_generators_by_state(runner_module: ModuleType) -> None:
 def _saving_discarded_generators(sample):
     @functools.wraps(sample)
     def saving_then_sample(self, *args, **kwargs):
-        import numpy as np
-
         generators = self.input_batch.generators
-        discarded = np.nonzero(self.discard_request_mask.np[: self.input_batch.num_reqs])[0]
+        discarded = self.discard_request_mask.np[: self.input_batch.num_reqs].nonzero()[0]
         self.draftsmith_saved_generators = {
             int(i): generators[int(i)].get_state() for i in discarded if int(i) in generators
         }
