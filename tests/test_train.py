@@ -266,7 +266,7 @@ def test_killed_under_a_disk_budget_and_resumed_trains_exactly_as_uninterrupted(
     whole, resumed = (stage_paths(tmp_path / name, dataset, stored) for name in ("whole", "resumed"))
 
     # The uninterrupted run and the one to kill side by side: most of a stage's start is
-    # single-threaded imports, so two overlap on two cores (about 40 s less of CI).
+    # single-threaded imports, so two overlap on two cores (145 s against 155 s one after the other).
     logs = {name: tmp_path / f"{name}.log" for name in ("whole", "killed")}
     uninterrupted = start_stage(config, whole, logs["whole"])
     kill_after_checkpoint(start_stage(config, resumed, logs["killed"]), resumed, 1, logs["killed"])

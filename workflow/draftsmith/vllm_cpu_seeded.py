@@ -80,10 +80,8 @@ def _saving_discarded_generators(sample):
     @functools.wraps(sample)
     def saving_then_sample(self, *args, **kwargs):
         generators = self.input_batch.generators
-        discarded = self.discard_request_mask.np[: self.input_batch.num_reqs].nonzero()[0]
-        self.draftsmith_saved_generators = {
-            int(i): generators[int(i)].get_state() for i in discarded if int(i) in generators
-        }
+        discarded = map(int, self.discard_request_mask.np[: self.input_batch.num_reqs].nonzero()[0])
+        self.draftsmith_saved_generators = {i: generators[i].get_state() for i in discarded if i in generators}
         return sample(self, *args, **kwargs)
 
     return saving_then_sample
