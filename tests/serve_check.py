@@ -21,7 +21,9 @@ def serve_and_measure(workdir: Path, results_dir: str, prompts: int = 8) -> floa
     log = workdir / f"serve-{port}.log"
     with open(log, "wb") as output:
         process = subprocess.Popen(
-            [sys.executable, "-m", "draftsmith.serve", "--results-dir", results_dir, "--port", str(port)],
+            # --drafter: the drafter whatever the recommendation (on a busy machine the target
+            # alone may measure faster, and the serving config would then be null).
+            [sys.executable, "-m", "draftsmith.serve", "--results-dir", results_dir, "--drafter", "--port", str(port)],
             cwd=workdir,
             stdout=output,
             stderr=subprocess.STDOUT,

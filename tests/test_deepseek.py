@@ -55,6 +55,28 @@ def test_the_trained_drafter_reaches_the_acceptance_goal(deepseek_run):
     assert "VLLM_MLA_DISABLE=1" in (deepseek_run / "logs/evaluate/drafter_k3.log").read_text()
 
 
+def test_the_drafter_is_compared_with_n_gram_lookup_and_the_target_alone(deepseek_run):
+    """evaluation.free_methods: n-gram lookup measured like the drafter, per set and over all
+    steps, and the serving config is whichever of the three the recommendation chose."""
+    result = json.loads((deepseek_run / "eval/acceptance.json").read_text())
+    (row,) = result["recommendation"]
+    print(json.dumps({key: row[key] for key in ("serve", "serve_chosen_by", "options")}, indent=1))
+    assert set(row["options"]) == {"target alone", "drafter k=3", "ngram k=3"}
+    assert row["serve"] in row["options"] and row["serve"] in row["serve_within_noise"]
+    served = json.loads((deepseek_run / "drafter_speculative_config.json").read_text())
+    assert served == row["speculative_config"]
+    assert (served is None) == (row["serve"] == "target alone")
+    ngram = [r for r in result["results"] if r["method"] == "ngram" and r["category"] == "*"]
+    assert {r["set"] for r in ngram} == {"heldout"} and ngram[0]["num_speculative_tokens"] == 3
+    # The drafter drafts at every step: its tokens per step are close to its acceptance.
+    # n-gram's acceptance counts only the steps where it found a match, so it is never below
+    # its tokens per step.
+    drafter = row["options"]["drafter k=3"]
+    assert drafter["tokens_per_step"] == pytest.approx(drafter["acceptance_length"], rel=0.1)
+    assert ngram[0]["acceptance_length"] >= ngram[0]["tokens_per_step"] >= 1.0
+    assert (deepseek_run / "eval/ngram_k3.json").is_file()
+
+
 def test_answers_keep_their_think_tags_and_only_the_answer_is_trained(deepseek_run):
     tokenizer = AutoTokenizer.from_pretrained(deepseek_run / "demo_model")
     think_open, think_close = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])

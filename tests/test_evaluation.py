@@ -22,7 +22,7 @@ from draftsmith.evaluate import (
     relative_spread,
 )
 from draftsmith.evaluation_report import tables_html
-from draftsmith.evaluation_summary import per_position, run, summarize
+from draftsmith.evaluation_summary import per_position, run, summarize, tokens_per_step
 from draftsmith.records import Measurement
 from draftsmith.run_config import RunConfig
 from draftsmith.settings import tracked_settings
@@ -73,7 +73,22 @@ def test_records_that_disagree_with_the_server_counters_stop_the_job():
     with pytest.raises(EvaluationError, match=r"after 1 retried request\(s\).*raise evaluation.request_timeout_s"):
         check_against_server([phase], {"drafts": 5, "accepted_tokens": 6}, ROOT, retried=1)
     with pytest.raises(EvaluationError, match="drafter was not used"):
-        check_against_server([phase], {"drafts": 0, "accepted_tokens": 0}, ROOT)
+        check_against_server([phase], {"drafts": 0, "accepted_tokens": 0}, "drafter, k=2")
+    # n-gram lookup drafts only where it finds a match: none at all is a result, not a fault.
+    silent = Phase("heldout", 8, {"temperature": 0.0})
+    silent.categories["all"].add(response(10), 1.0)
+    check_against_server([silent], {"drafts": 0, "accepted_tokens": 0}, "ngram, k=3", drafts_expected=False)
+
+
+def test_tokens_per_step_count_the_steps_that_drafted_nothing():
+    """16 tokens, 3 of them accepted draft tokens: 13 target steps. Per draft, the drafted
+    steps alone (4 of them) accepted 1.75."""
+    tally = Tally()
+    tally.add(response(10, [1, 0, 1]), 0.5)
+    tally.add(response(6, [1, 1, 0]), 0.5)
+    assert tokens_per_step(tally) == pytest.approx(16 / 13, abs=1e-4)
+    assert acceptance_length(tally) == pytest.approx(1.75)
+    assert tokens_per_step(Tally()) == 1.0
 
 
 def phase(name: str, concurrency: int, temperature: float, seconds: float, categories: dict) -> dict:
@@ -177,7 +192,7 @@ def test_the_summary_writes_the_report_files_and_the_untrained_comparison(tmp_pa
     assert json.loads(outputs["spec_config"].read_text())["num_speculative_tokens"] == 2
     assert outputs["acceptance_plot"].stat().st_size > 10_000 and outputs["speedup_plot"].stat().st_size > 10_000
     html = outputs["tables"].read_text()
-    assert "Recommended draft length" in html and "<td>sql</td>" in html
+    assert "What to serve per concurrency" in html and "<td>sql</td>" in html
 
 
 def test_the_spread_is_two_standard_errors_of_the_requests_mean_speed():
@@ -205,7 +220,7 @@ def measured_job(k, request_tokens: list[int], seconds: float) -> Measurement:
     "request_tokens, chosen, chosen_by",
     [
         # Requests from 40 to 120 tok/s: k=1's 5% lead is well inside the spread (±24%).
-        ([40, 60, 80, 100, 120] * 2, 3, "acceptance length"),
+        ([40, 60, 80, 100, 120] * 2, 3, "tokens per step"),
         # Every request at 80 tok/s: no spread, and the faster k=1 wins.
         ([80] * 10, 1, "throughput"),
     ],
@@ -217,13 +232,13 @@ def test_a_lead_within_the_spread_leaves_the_choice_to_acceptance(request_tokens
     (row,) = result["recommendation"]
     assert row["tokens_per_s_by_draft_length"] == {"1": 800.0, "3": pytest.approx(761.9)}
     assert (row["num_speculative_tokens"], row["chosen_by"]) == (chosen, chosen_by)
-    assert row["within_noise"] == ([1, 3] if chosen_by == "acceptance length" else [1])
+    assert row["within_noise"] == ([1, 3] if chosen_by == "tokens per step" else [1])
     assert row["acceptance_length_by_draft_length"] == {"1": 2.0, "3": 4.0}
     assert row["speculative_config"]["num_speculative_tokens"] == chosen
     html = tables_html(result)
-    if chosen_by == "acceptance length":
+    if chosen_by == "tokens per step":
         assert row["spread_by_draft_length"]["1"] == pytest.approx(800 * 0.2357, abs=0.5)
-        assert "k=1, k=3 within noise: longest acceptance" in html and "800 ± 188" in html
+        assert "k=1, k=3 within noise: most tokens per step" in html and "800 ± 188" in html
     else:
         assert row["spread_by_draft_length"] == {"1": 0.0, "3": 0.0} and "fastest beyond noise" in html
 
@@ -348,3 +363,80 @@ def test_counters_are_summed_over_engines_and_labels():
         "vllm:request_success_total": 9,
         "absent": 0,
     }
+
+
+def free_job(method: str, k: int, request_tokens: list[int], seconds: float, histogram: list[int]) -> Measurement:
+    """A free method's job like ``measured_job``'s: each request drafted ``histogram``'s steps."""
+    tally = Tally()
+    for tokens in request_tokens:
+        tally.add(response(tokens, histogram), 1.0)
+    phase = Phase("heldout", 8, {"temperature": 0.0}, seconds, {"all": tally})
+    return Measurement(None, k, [phase], {}, mla_disabled=False, method=method)
+
+
+def test_a_drafter_slower_than_the_target_alone_is_not_served(tmp_path):
+    """The issue's real-model case: the drafter accepts little and costs more than it saves.
+    The target alone is faster beyond noise, so nothing speculative is served, and the serving
+    config says so with null."""
+    steady = [80] * 10  # no spread: every difference is beyond noise
+    baseline = measured_job(None, steady, 1.0)
+    drafters = {3: measured_job(3, steady, 1.45)}
+    for name, record in {"baseline": baseline, "k3": drafters[3]}.items():
+        (tmp_path / f"{name}.json").write_text(record.to_json())
+    outputs = {name: tmp_path / f"{name}.out" for name in ("acceptance", "spec_config", "tables")}
+    outputs |= {name: tmp_path / f"{name}.png" for name in ("acceptance_plot", "speedup_plot")}
+    result = run(settings([3], 8), tmp_path / "baseline.json", [tmp_path / "k3.json"], None, outputs)
+    (row,) = result["recommendation"]
+    assert row["serve"] == "target alone" and row["serve_speedup"] == 1.0
+    assert row["speculative_config"] is None and row["speedup"] == pytest.approx(0.69, abs=0.01)
+    assert json.loads(outputs["spec_config"].read_text()) is None
+    assert "<td>target alone</td>" in outputs["tables"].read_text()
+
+
+def test_n_gram_is_served_where_it_beats_the_drafter_and_compared_per_step(tmp_path):
+    """n-gram drafts on one step in four here and accepts everything it drafts: 4.0 per draft,
+    yet fewer tokens per step than a drafter accepting 2 of 3 at every step. It is served only
+    when it is the fastest."""
+    steady = [80] * 10
+    baseline = measured_job(None, steady, 2.0)
+    drafter = Tally()
+    for _ in range(10):
+        drafter.add(response(80, [0, 0, 26, 0]), 1.0)  # 26 steps of 3 tokens, 2 steps of 1
+    drafter_job = Measurement("d", 3, [Phase("heldout", 8, {"temperature": 0.0}, 1.2, {"all": drafter})], {}, False)
+    ngram = {3: free_job("ngram", 3, steady, 1.0, [0, 0, 0, 5]), 1: free_job("ngram", 1, steady, 1.5, [0, 5])}
+    result = summarize(settings([3, 1], 8), baseline, {3: drafter_job}, None, {"ngram": ngram})
+    (row,) = result["recommendation"]
+    assert row["serve"] == "ngram k=3" and row["serve_chosen_by"] == "throughput"
+    assert row["speculative_config"] == {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4,
+    }
+    options = row["options"]
+    assert set(options) == {"target alone", "drafter k=3", "ngram k=3"}
+    assert options["ngram k=3"]["acceptance_length"] == 4.0
+    assert options["ngram k=3"]["tokens_per_step"] == pytest.approx(80 / 65, abs=1e-4)  # 15 accepted of 80
+    assert options["drafter k=3"]["tokens_per_step"] == pytest.approx(80 / 28, abs=1e-4)
+    assert options["ngram k=3"]["speedup"] == 2.0 and options["target alone"]["speedup"] == 1.0
+    ngram_rows = [r for r in result["results"] if r["method"] == "ngram"]
+    assert {r["num_speculative_tokens"] for r in ngram_rows} == {3, 1}
+    assert all("tokens_per_step" in r for r in result["results"])
+    html = tables_html(result)
+    assert "<td>ngram k=3</td>" in html and "<td>ngram</td>" in html
+    # Slower n-gram: the drafter is served, and n-gram stays in the table as an option.
+    slow = {3: free_job("ngram", 3, steady, 1.5, [0, 0, 0, 5]), 1: free_job("ngram", 1, steady, 1.6, [0, 5])}
+    (row,) = summarize(settings([3, 1], 8), baseline, {3: drafter_job}, None, {"ngram": slow})["recommendation"]
+    assert row["serve"] == "drafter k=3" and row["speculative_config"]["method"] == "eagle3"
+    assert row["speculative_config"] == row["drafter_speculative_config"]
+
+
+def test_a_tie_with_the_target_alone_goes_to_the_most_tokens_per_step():
+    """Within noise of each other, the option that does more per target step is served: on a
+    busier machine the target alone would not pull ahead of it."""
+    noisy = [40, 60, 80, 100, 120] * 2
+    baseline = measured_job(None, noisy, 1.0)
+    drafters = {3: measured_job(3, noisy, 1.05)}
+    (row,) = summarize(settings([3], 8), baseline, drafters, None)["recommendation"]
+    assert row["serve"] == "drafter k=3" and row["serve_chosen_by"] == "tokens per step"
+    assert row["serve_within_noise"] == ["target alone", "drafter k=3"]

@@ -132,6 +132,11 @@ def test_missing_server_option_is_named(monkeypatch):
             lambda c: c["target"].update(model="/nonexistent/model"),
             "target config /nonexistent/model/config.json not found",
         ),
+        # vLLM imports arctic-inference only once the server is up (not installed here).
+        (
+            lambda c: c["evaluation"].update(free_methods=["ngram", "suffix"]),
+            "evaluation.free_methods has suffix, which needs the arctic-inference package; install it",
+        ),
     ],
 )
 def test_config_problems_are_one_clear_line(change, message, target, tmp_path):

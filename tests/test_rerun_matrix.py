@@ -85,6 +85,7 @@ MATRIX = [
     ("evaluation.concurrency", [8, 4, 2]),
     ("evaluation.sampled", False),
     ("evaluation.compare_untrained", False),
+    ("evaluation.free_methods", ["ngram"]),  # one job per draft length
     ("evaluation.limit", 10),
     ("evaluation.sets", {"counting": {"source": "config/demo_sets/counting.jsonl", "category_field": "task"}}),
     ("evaluation.request_timeout_s", 100),
@@ -131,6 +132,13 @@ def test_each_key_changed_alone_plans_exactly_what_the_table_says(demo_run):
     # job (and the summary), the other lengths and the baseline stay.
     assert planned["evaluation.num_speculative_tokens=[3, 1, 2]"] == {
         "evaluate_drafter": 1,
+        "evaluate": 1,
+        "plan_snapshot": 1,
+        "run_metadata": 1,
+    }
+    # A free method added to a finished run: its jobs (one per draft length) and the summary.
+    assert planned['evaluation.free_methods=["ngram"]'] == {
+        "evaluate_free_method": 2,
         "evaluate": 1,
         "plan_snapshot": 1,
         "run_metadata": 1,

@@ -58,3 +58,23 @@ def test_an_unfinished_run_is_named_with_the_fix(tmp_path):
     results.speculative_config.unlink()
     with pytest.raises(serve.ServeError, match="drafter_speculative_config.json not found: run the workflow"):
         serve.main(["--results-dir", str(results.results)])
+
+
+def test_the_target_alone_is_served_when_it_measured_fastest_and_the_drafter_on_request(tmp_path):
+    """A recommendation of no speculation (null) starts vLLM without a speculative config;
+    --drafter serves the trained drafter at its best draft length from the evaluation."""
+    results = finished_run(tmp_path, {"num_hidden_layers": 6, "hidden_size": 128, "vocab_size": 230})
+    results.speculative_config.write_text("null\n")
+    drafter = {"model": str(tmp_path / "drafter"), "method": "eagle3", "num_speculative_tokens": 1}
+    rows = [{"temperature": t, "concurrency": 8, "drafter_speculative_config": drafter} for t in (0.7, 0.0)]
+    results.acceptance.parent.mkdir(parents=True)
+    results.acceptance.write_text(json.dumps({"concurrency": 8, "recommendation": rows}))
+    run_config = RunConfig.from_dict(json.loads(results.run_config.read_text()))
+    assert serve.speculative_config(results, None) is None
+    argv, _ = serve.server_command(run_config, None, "127.0.0.1", 8000, [])
+    assert "--speculative-config" not in argv
+    assert "alone" in serve.speculation_text(None)
+    with pytest.raises(serve.ServeError, match="target alone fastest.*add --drafter"):
+        serve.speculative_config(results, 3)
+    assert serve.speculative_config(results, None, drafter=True) == drafter
+    assert serve.speculative_config(results, 3, drafter=True) == {**drafter, "num_speculative_tokens": 3}

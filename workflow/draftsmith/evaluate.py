@@ -1,8 +1,10 @@
 """Evaluation measurement: one server load, every prompt set, concurrency and temperature.
 
-A job serves the target alone (the baseline) or the target with a drafter at one draft
-length ``k`` (``--speculative-config``), so adding a draft length to the sweep adds one
-job and re-runs nothing else. The job sends each prompt set (``evaluation_sets``) at each
+A job serves the target alone (the baseline), the target with a drafter at one draft
+length ``k`` (``--speculative-config``), or the target with a speculative method that needs
+no training (``evaluation.free_methods``: vLLM's n-gram prompt lookup, suffix decoding) at
+``k``, so adding a draft length or a method to the sweep adds its jobs and re-runs nothing
+else. The job sends each prompt set (``evaluation_sets``) at each
 concurrency of ``evaluation.concurrency`` and each sampling of ``evaluation.samplings``
 (temperature 0, and the generation's sampling when ``evaluation.sampled``), one phase at
 a time, and records per phase and per category:
@@ -49,6 +51,14 @@ from draftsmith.target import read_target_shape
 SPEC_METRIC_PREFIX = "vllm:spec_decode_num_"
 # The speculative method of the evaluation servers (vLLM's SpeculativeMethod).
 SPECULATIVE_METHODS = ["eagle3"]
+# Methods vLLM serves without a trained drafter, with the options they are measured at.
+# n-gram looks up the last 2 to 4 tokens in the prompt and the answer so far (the lookup
+# window we compared it at when it beat a drafter on a real model); suffix decoding needs
+# the arctic-inference package (the preflight checks it).
+FREE_METHODS: dict[str, dict[str, Any]] = {
+    "ngram": {"prompt_lookup_min": 2, "prompt_lookup_max": 4},
+    "suffix": {},
+}
 # The engine option that puts each request's acceptance in its response (experimental in
 # vLLM 0.32: the preflight checks it is there).
 ENGINE_ARGS = ["per_request_spec_decode_metrics"]
@@ -113,21 +123,20 @@ def sampling_label(sampling: dict[str, Any]) -> str:
 def measure(
     stage: ServerStage[int],
     prompts: list[dict[str, Any]],
-    drafter: Path | None,
-    k: int | None,
+    speculation: dict[str, Any] | None,
     attention: EvaluationAttention,
     default_only: bool = False,
 ) -> Measurement:
-    """Every phase on one server: the target alone, or with ``drafter`` at draft length ``k``."""
+    """Every phase on one server: the target alone (``speculation`` None), or with vLLM's
+    ``--speculative-config`` ``speculation``: a drafter, or a method that needs no training."""
     settings = stage.settings
     extra = []
-    if drafter is not None:
-        assert k is not None  # a drafter is always measured at a draft length
-        extra = ["--speculative-config", json.dumps(speculative_config(drafter, k))]
+    if speculation is not None:
+        extra = ["--speculative-config", json.dumps(speculation)]
         extra += ["--per-request-spec-decode-metrics", "summary"]
     spec = ServerSpec.from_config(settings, extra_args=extra)
     spec = dataclasses.replace(spec, env={**spec.env, **attention.server_env()})
-    label = "target alone" if drafter is None else f"{drafter.name}, k={k}"
+    label = speculation_label(speculation)
     by_set: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for prompt in prompts:
         by_set[prompt["set"]].append(prompt)
@@ -143,16 +152,32 @@ def measure(
 
         asyncio.run(run_all())
         counters = spec_decode_counters(read_metrics(endpoint))
-    if drafter is not None:
-        check_against_server(phases, counters, drafter, retried=stage.retried)
-    return Measurement(
-        drafter=str(drafter) if drafter else None,
-        num_speculative_tokens=k,
+    measured = Measurement(
+        drafter=None,
+        num_speculative_tokens=None,
         phases=phases,
         server_counters=counters,
         mla_disabled=attention.mla_disabled,
         mla_disabled_because=attention.reason if attention.mla_disabled else None,
     )
+    if speculation is None:
+        return measured
+    free = speculation["method"] in FREE_METHODS
+    check_against_server(phases, counters, label, drafts_expected=not free)
+    return dataclasses.replace(
+        measured,
+        drafter=None if free else speculation["model"],
+        num_speculative_tokens=speculation["num_speculative_tokens"],
+        method=speculation["method"],
+    )
+
+
+def speculation_label(speculation: dict[str, Any] | None) -> str:
+    if speculation is None:
+        return "target alone"
+    if speculation["method"] in FREE_METHODS:
+        return f"{speculation['method']}, k={speculation['num_speculative_tokens']}"
+    return f"{Path(speculation['model']).name}, k={speculation['num_speculative_tokens']}"
 
 
 def merged(tallies) -> Tally:
@@ -190,17 +215,20 @@ def acceptance_length(tally: Tally) -> float:
     return 1.0 + sum(j * n for j, n in enumerate(tally.histogram)) / steps if steps else 1.0
 
 
-def check_against_server(phases: list[Phase], counters: dict[str, Any], drafter: Path, retried: int = 0) -> None:
+def check_against_server(
+    phases: list[Phase], counters: dict[str, Any], label: str, retried: int = 0, drafts_expected: bool = True
+) -> None:
     """The per-request records must add up to the server's own counters: a response field
     that changed shape would otherwise skew every number silently. After ``retried``
     requests the server may hold drafts of attempts whose responses never arrived, and the
-    cause is then far more likely than a changed vLLM."""
+    cause is then far more likely than a changed vLLM. A drafter drafts at every step; n-gram
+    lookup only where it finds a match, so for it no drafts at all is a result."""
     total = merged(t for phase in phases for t in phase.categories.values())
     steps = sum(total.histogram)
     accepted = sum(j * n for j, n in enumerate(total.histogram))
-    if not counters["drafts"]:
+    if not counters["drafts"] and drafts_expected:
         raise EvaluationError(
-            f"vLLM reported no drafts while serving {drafter}; the drafter was not used: "
+            f"vLLM reported no drafts while serving {label}; the drafter was not used: "
             "check the server log above for a speculative-config error"
         )
     if (steps, accepted) == (counters["drafts"], counters["accepted_tokens"]):
@@ -230,26 +258,36 @@ def speculative_config(drafter: Path, num_speculative_tokens: int) -> dict[str, 
     }
 
 
+def free_method_config(method: str, num_speculative_tokens: int) -> dict[str, Any]:
+    """The value of vLLM's ``--speculative-config`` for a method that needs no drafter."""
+    return {"method": method, "num_speculative_tokens": num_speculative_tokens, **FREE_METHODS[method]}
+
+
 def run(
     settings: RunConfig,
     prompts_path: Path,
-    drafter: Path | None,
-    k: int | None,
+    speculation: dict[str, Any] | None,
     output: Path,
     granted_gpus: int | None,
     default_only: bool = False,
 ) -> Measurement:
     stage = evaluation_stage(settings)
     stage.begin(granted_gpus)
-    if drafter is not None and k not in settings.evaluation.draft_lengths:
-        raise EvaluationError(f"draft length {k} is not in evaluation.num_speculative_tokens; add it there")
+    method = speculation and speculation["method"]
+    if method in FREE_METHODS and method not in settings.evaluation.free_methods:
+        raise EvaluationError(f"{method} is not in evaluation.free_methods; add it there")
+    if speculation is not None and speculation["num_speculative_tokens"] not in settings.evaluation.draft_lengths:
+        raise EvaluationError(
+            f"draft length {speculation['num_speculative_tokens']} is not in evaluation.num_speculative_tokens; "
+            "add it there"
+        )
     prompts = read_prompts(prompts_path)
     # Every evaluation server runs the target the same way, so the speedup compares like with like.
     attention = evaluation_attention(read_target_shape(settings.target.model), settings.device)
     if attention.mla_disabled:
         log(attention.reason)
     log(f"evaluating on {len(prompts)} prompts in {len({p['set'] for p in prompts})} set(s)")
-    result = measure(stage, prompts, drafter, k, attention, default_only)
+    result = measure(stage, prompts, speculation, attention, default_only)
     atomic_write_text(output, result.to_json())
     return result
 
@@ -260,6 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stage", required=True, help="the rule whose settings apply")
     parser.add_argument("--prompts", required=True, type=Path, help="the evaluation_sets stage's prompts")
     parser.add_argument("--drafter", type=Path, default=None, help="a drafter directory (none: the baseline)")
+    parser.add_argument("--method", choices=sorted(FREE_METHODS), default=None, help="a method without a drafter")
     parser.add_argument("--num-speculative-tokens", type=int, default=None)
     parser.add_argument("--output", required=True, type=Path)
     parser.add_argument("--granted-gpus", type=int, default=None)
@@ -268,15 +307,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     settings = read_settings(args.settings, args.stage)
-    run(
-        settings,
-        args.prompts,
-        args.drafter,
-        args.num_speculative_tokens,
-        args.output,
-        args.granted_gpus,
-        args.default_only,
-    )
+    speculation = None
+    if args.drafter is not None:
+        speculation = speculative_config(args.drafter, args.num_speculative_tokens)
+    elif args.method is not None:
+        speculation = free_method_config(args.method, args.num_speculative_tokens)
+    run(settings, args.prompts, speculation, args.output, args.granted_gpus, args.default_only)
 
 
 if __name__ == "__main__":

@@ -18,11 +18,22 @@ from draftsmith.report import save_figure  # noqa: E402
 
 
 def choice_text(row: dict[str, Any]) -> str:
-    """How the draft length was chosen, in words."""
+    """How the drafter's draft length was chosen, in words."""
     if row["chosen_by"] == "throughput":
         return "fastest beyond noise"
     others = ", ".join(f"k={k}" for k in row["within_noise"])
-    return f"{others} within noise: longest acceptance"
+    return f"{others} within noise: most tokens per step"
+
+
+def serve_text(row: dict[str, Any]) -> str:
+    """How what to serve was chosen, in words."""
+    if row["serve_chosen_by"] == "throughput":
+        return "fastest beyond noise"
+    return f"{', '.join(row['serve_within_noise'])} within noise: most tokens per step"
+
+
+def is_drafter_row(row: dict[str, Any]) -> bool:
+    return row["method"] not in ("ngram", "suffix")
 
 
 def sampling_name(value: float) -> str:
@@ -32,11 +43,10 @@ def sampling_name(value: float) -> str:
 def plot_acceptance(result: dict[str, Any], path: Path) -> None:
     """Left: the held-out set per position, trained vs untrained. Right: every set and category
     per position at the longest draft length."""
-    longest = max(row["num_speculative_tokens"] for row in result["results"])
+    drafter_rows = [row for row in result["results"] if is_drafter_row(row)]
+    longest = max(row["num_speculative_tokens"] for row in drafter_rows)
     rows = [
-        r
-        for r in result["results"]
-        if r["num_speculative_tokens"] == longest and r["concurrency"] == result["concurrency"]
+        r for r in drafter_rows if r["num_speculative_tokens"] == longest and r["concurrency"] == result["concurrency"]
     ]
     labels = [
         f"{r['set']}{'' if r['category'] == WHOLE_SET else ' / ' + r['category']} · {sampling_name(r['temperature'])}"
@@ -77,10 +87,13 @@ def plot_acceptance(result: dict[str, Any], path: Path) -> None:
 
 
 def plot_speedup(result: dict[str, Any], path: Path) -> None:
-    """Throughput over all sets against concurrency: speedup per draft length, and tokens/s."""
+    """Throughput over all sets against concurrency: speedup per draft length (and of each free
+    method at its best draft length), and tokens/s."""
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     temperatures = sorted({r["temperature"] for r in result["recommendation"]})
     lengths = sorted({int(k) for r in result["recommendation"] for k in r["tokens_per_s_by_draft_length"]})
+    methods = sorted({name.split(" k=")[0] for r in result["recommendation"] for name in r["options"]})
+    methods = [method for method in methods if method not in ("target alone", "drafter")]
     for t_index, value in enumerate(temperatures):
         rows = sorted(
             (r for r in result["recommendation"] if r["temperature"] == value), key=lambda r: r["concurrency"]
@@ -99,6 +112,19 @@ def plot_speedup(result: dict[str, Any], path: Path) -> None:
                 label=name,
             )
             right.errorbar(x, speeds, yerr=spreads, fmt=style, color=f"C{index}", capsize=3, label=name)
+        for index, method in enumerate(methods, start=len(lengths)):
+            options = [next(o for n, o in r["options"].items() if n.startswith(f"{method} k=")) for r in rows]
+            name = f"{method} (best k) {sampling_name(value)}"
+            left.plot(x, [o["speedup"] for o in options], style, color=f"C{index}", label=name)
+            right.errorbar(
+                x,
+                [o["tokens_per_s"] for o in options],
+                yerr=[o["spread"] for o in options],
+                fmt=style,
+                color=f"C{index}",
+                capsize=3,
+                label=name,
+            )
         right.errorbar(
             x,
             [r["tokens_per_s_without_drafter"] for r in rows],
@@ -127,6 +153,12 @@ def tables_html(result: dict[str, Any]) -> str:
         [
             r["concurrency"],
             sampling_name(r["temperature"]),
+            r["serve"],
+            serve_text(r),
+            " · ".join(
+                f"{name}: {_plus_minus(o['tokens_per_s'], o['spread'])}, {o['tokens_per_step']:.2f} tok/step"
+                for name, o in r["options"].items()
+            ),
             r["num_speculative_tokens"],
             choice_text(r),
             f"{r['speedup']:.2f}×" if r["speedup"] is not None else "",
@@ -145,11 +177,13 @@ def tables_html(result: dict[str, Any]) -> str:
         [
             r["set"],
             r["category"],
+            r["method"],
             r["num_speculative_tokens"],
             r["concurrency"],
             sampling_name(r["temperature"]),
             r["requests"],
             f"{r['acceptance_length']:.2f}",
+            f"{r['tokens_per_step']:.2f}",
             " / ".join(f"{a:.2f}" for a in r["acceptance_per_position"]),
             _row_speed(r),
             f"{r['speedup']:.2f}×" if r["speedup"] is not None else "",
@@ -159,35 +193,43 @@ def tables_html(result: dict[str, Any]) -> str:
     return (
         "<html><head><meta charset='utf-8'><style>table{border-collapse:collapse;font:13px sans-serif}"
         "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}</style></head><body>"
-        "<h3>Recommended draft length per concurrency (best measured throughput, all sets together)</h3>"
-        f"<p>drafter_speculative_config.json holds the choice at concurrency {result['concurrency']}, greedy. "
-        "A speedup below 1× means the target alone is faster there. ± is the spread of a throughput "
-        "(two standard errors of its requests' mean speed); where draft lengths are within it of the "
-        "fastest, the longest acceptance (AL) decides.</p>"
+        "<h3>What to serve per concurrency (best measured throughput, all sets together)</h3>"
+        f"<p>drafter_speculative_config.json holds the choice at concurrency {result['concurrency']}, greedy "
+        "(null: the target alone). The options are the target alone, the drafter at its best draft length "
+        "and each free method at its best. A speedup below 1× means the target alone is faster there. "
+        "± is the spread of a throughput (two standard errors of its requests' mean speed); where options "
+        "are within it of the fastest, the most tokens per target step decides. Tokens per step count "
+        "every step, also those where n-gram lookup found nothing to draft.</p>"
         + _table(
             [
                 "concurrency",
                 "sampling",
-                "draft length",
+                "serve",
                 "chosen by",
-                "speedup",
-                "tok/s with",
-                "tok/s without",
-                "every draft length",
-                "--speculative-config",
+                "options",
+                "drafter's draft length",
+                "chosen by",
+                "drafter's speedup",
+                "drafter tok/s",
+                "target alone tok/s",
+                "drafter at every draft length",
+                "--speculative-config served",
             ],
             recommendation,
         )
-        + "<h3>Acceptance per set and category</h3><p>Category speeds and speedups are per request.</p>"
+        + "<h3>Acceptance per method, set and category</h3><p>Category speeds and speedups are per request."
+        " Acceptance length counts the steps that drafted; tokens per step counts them all.</p>"
         + _table(
             [
                 "set",
                 "category",
+                "method",
                 "k",
                 "concurrency",
                 "sampling",
                 "requests",
-                "acceptance length",
+                "acceptance length (per draft)",
+                "tokens per step",
                 "per position",
                 "tok/s with",
                 "speedup",

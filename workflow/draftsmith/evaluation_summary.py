@@ -1,19 +1,27 @@
 """Evaluation summary: the sweep's measurements as numbers a user can act on.
 
-Reads the baseline job and one job per draft length (``evaluate.py``) and writes:
+Reads the baseline job, one job per draft length, and one per free method and draft length
+(``evaluate.py``) and writes:
 
 - ``acceptance.json``: at its top level, as before, the held-out set at the default draft
-  length and concurrency, greedy; beside that, ``results`` (every set, category, draft
-  length, concurrency and sampling) and ``recommendation``;
-- the recommendation: for each concurrency and sampling, the draft length with the best
-  measured throughput over all sets together. Each throughput carries its spread
-  (``evaluate.relative_spread``); when other draft lengths come within the spread of the
-  fastest, the recommendation says so and takes, of those, the one with the longest
-  acceptance: a difference the measurement cannot tell apart should not decide;
-- ``drafter_speculative_config.json``: vLLM's ``--speculative-config`` for the draft length
-  recommended at the default (first) concurrency, greedy. The recommendation table gives
-  the config for every other concurrency;
+  length and concurrency, greedy; beside that, ``results`` (every method, set, category,
+  draft length, concurrency and sampling) and ``recommendation``;
+- the recommendation, for each concurrency and sampling, over all sets together. First
+  each method's draft length: the one with the best measured throughput. Each throughput
+  carries its spread (``evaluate.relative_spread``); when other draft lengths come within
+  the spread of the fastest, the recommendation says so and takes, of those, the one with
+  the most tokens per target step: a difference the measurement cannot tell apart should
+  not decide. Then, the same way, what to serve: the target alone, the drafter or a free
+  method (``serve``). When the target alone is faster beyond noise, that is the choice;
+- ``drafter_speculative_config.json``: vLLM's ``--speculative-config`` for what is
+  recommended at the default (first) concurrency, greedy, or ``null`` when that is the
+  target alone. The recommendation table gives the choice at every other concurrency;
 - the report's plots and tables (drawn by ``evaluation_report``).
+
+Tokens per target step compare methods that draft at every step (a drafter) with those
+that draft only where they find a match (n-gram lookup), whose acceptance per draft counts
+the drafted steps only. Every step yields one token and each accepted draft token one more,
+so over all steps: tokens / (tokens - accepted draft tokens).
 
 Throughput of a set is its tokens over its wall time. Categories share their set's
 wall time, so a category's speed is per request: its tokens over its requests' latencies.
@@ -32,11 +40,19 @@ from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.evaluate import (
     acceptance_length,
+    free_method_config,
     merged,
     relative_spread,
     speculative_config,
 )
-from draftsmith.evaluation_report import choice_text, plot_acceptance, plot_speedup, sampling_name, tables_html
+from draftsmith.evaluation_report import (
+    choice_text,
+    plot_acceptance,
+    plot_speedup,
+    sampling_name,
+    serve_text,
+    tables_html,
+)
 from draftsmith.evaluation_sets import HELDOUT, NO_CATEGORY, WHOLE_SET
 from draftsmith.progress import log
 from draftsmith.records import Measurement, Phase, Tally
@@ -52,6 +68,16 @@ def per_position(tally: Tally, k: int) -> list[float]:
     """Acceptance at each draft position: accepted there / steps."""
     steps = sum(tally.histogram)
     return [round(n / steps, 4) if steps else 0.0 for n in accepted_at_positions(tally, k)]
+
+
+def accepted_tokens(tally: Tally) -> int:
+    return sum(j * n for j, n in enumerate(tally.histogram))
+
+
+def tokens_per_step(tally: Tally) -> float:
+    """Output tokens per target forward step, over all steps (module docstring)."""
+    steps = tally.completion_tokens - accepted_tokens(tally)
+    return round(tally.completion_tokens / steps, 4) if steps > 0 else 1.0
 
 
 def _key(phase: Phase) -> tuple[float, int, str]:
@@ -79,7 +105,7 @@ def _ratio(a: float, b: float) -> float | None:
 
 def result_rows(drafter: Measurement, baseline: Measurement) -> list[dict[str, Any]]:
     """One row per set (category ``*``) and per category of a set that has several, for
-    every phase of one drafter job, against the baseline's same phase."""
+    every phase of one drafter (or free method) job, against the baseline's same phase."""
     k = drafter_length(drafter)
     alone = {_key(phase): phase for phase in baseline.phases}
     rows = []
@@ -88,6 +114,7 @@ def result_rows(drafter: Measurement, baseline: Measurement) -> list[dict[str, A
         tallies, base_tallies = phase.categories, base.categories
         whole, base_whole = merged(tallies.values()), merged(base_tallies.values())
         common = {
+            "method": drafter.speculative_method,
             "num_speculative_tokens": k,
             "concurrency": phase.concurrency,
             "temperature": phase.temperature,
@@ -128,6 +155,7 @@ def _acceptance(tally: Tally, k: int) -> dict[str, Any]:
         "completion_tokens": tally.completion_tokens,
         "acceptance_length": round(acceptance_length(tally), 4),
         "acceptance_per_position": per_position(tally, k),
+        "tokens_per_step": tokens_per_step(tally),
     }
 
 
@@ -151,10 +179,20 @@ class Pooled:
     tokens_per_s: float
     spread: float  # ± tokens per second
     acceptance_length: float
+    tokens_per_step: float
 
     def within_noise_of(self, other: Pooled) -> bool:
         """The two throughputs differ by less than the spread of their difference."""
         return abs(self.tokens_per_s - other.tokens_per_s) <= math.hypot(self.spread, other.spread)
+
+    def as_dict(self, alone: Pooled) -> dict[str, Any]:
+        return {
+            "tokens_per_s": self.tokens_per_s,
+            "spread": self.spread,
+            "acceptance_length": self.acceptance_length,
+            "tokens_per_step": self.tokens_per_step,
+            "speedup": _ratio(self.tokens_per_s, alone.tokens_per_s),
+        }
 
 
 def pooled(job: Measurement) -> dict[tuple[float, int], Pooled]:
@@ -169,27 +207,53 @@ def pooled(job: Measurement) -> dict[tuple[float, int], Pooled]:
     for key, parts in tallies.items():
         whole = merged(parts)
         speed = _speed(whole.completion_tokens, seconds[key])
-        measured[key] = Pooled(speed, _spread(whole, speed), round(acceptance_length(whole), 4))
+        measured[key] = Pooled(speed, _spread(whole, speed), round(acceptance_length(whole), 4), tokens_per_step(whole))
     return measured
 
 
-def recommend(drafters: dict[int, Measurement], baseline: Measurement) -> list[dict[str, Any]]:
-    """For each (sampling, concurrency): the fastest draft length over all sets, or, of those
-    within noise of it, the one with the longest acceptance (ties: the shorter draft)."""
+def choose(measured: dict[Any, Pooled], simplest_first: list[Any]) -> tuple[Any, list[Any]]:
+    """The fastest option, or, of those within noise of it, the one with the most tokens per
+    target step (ties: the earlier in ``simplest_first``); and the options within noise."""
+    fastest = max(measured, key=lambda option: measured[option].tokens_per_s)
+    tied = [option for option in simplest_first if measured[option].within_noise_of(measured[fastest])]
+    return max(tied, key=lambda option: (measured[option].tokens_per_step, -simplest_first.index(option))), tied
+
+
+TARGET_ALONE = "target alone"
+
+
+def recommend(
+    drafters: dict[int, Measurement],
+    baseline: Measurement,
+    free_methods: dict[str, dict[int, Measurement]] | None = None,
+) -> list[dict[str, Any]]:
+    """For each (sampling, concurrency): the drafter's best draft length, each free method's,
+    and of those and the target alone, what to serve (module docstring)."""
     alone = pooled(baseline)
     measured = {k: pooled(job) for k, job in drafters.items()}
+    free_measured = {
+        method: {k: pooled(job) for k, job in jobs.items()} for method, jobs in (free_methods or {}).items()
+    }
     rows = []
     for key in sorted(alone):
         at = {k: measured[k][key] for k in sorted(measured)}
-        fastest = max(at, key=lambda k: at[k].tokens_per_s)
-        tied = [k for k in at if at[k].within_noise_of(at[fastest])]
-        best = max(tied, key=lambda k: (at[k].acceptance_length, -k))
+        best, tied = choose(at, sorted(at))
+        configs = {f"drafter k={best}": speculative_config(Path(str(drafters[best].drafter)), best)}
+        options = {TARGET_ALONE: alone[key], f"drafter k={best}": at[best]}
+        for method, by_length in free_measured.items():
+            method_at = {k: by_length[k][key] for k in sorted(by_length)}
+            method_best, _ = choose(method_at, sorted(method_at))
+            configs[f"{method} k={method_best}"] = free_method_config(method, method_best)
+            options[f"{method} k={method_best}"] = method_at[method_best]
+        # Ties go to the simplest: the target alone, then what needs no training.
+        simplest = [TARGET_ALONE, *list(options)[2:], f"drafter k={best}"]
+        served, served_tied = choose(options, simplest)
         rows.append(
             {
                 "temperature": key[0],
                 "concurrency": key[1],
                 "num_speculative_tokens": best,
-                "chosen_by": "throughput" if len(tied) == 1 else "acceptance length",
+                "chosen_by": "throughput" if len(tied) == 1 else "tokens per step",
                 "within_noise": tied,
                 "tokens_per_s_with_drafter": at[best].tokens_per_s,
                 "tokens_per_s_with_drafter_spread": at[best].spread,
@@ -199,7 +263,14 @@ def recommend(drafters: dict[int, Measurement], baseline: Measurement) -> list[d
                 "tokens_per_s_by_draft_length": {str(k): at[k].tokens_per_s for k in at},
                 "spread_by_draft_length": {str(k): at[k].spread for k in at},
                 "acceptance_length_by_draft_length": {str(k): at[k].acceptance_length for k in at},
-                "speculative_config": speculative_config(Path(str(drafters[best].drafter)), best),
+                "tokens_per_step_by_draft_length": {str(k): at[k].tokens_per_step for k in at},
+                "drafter_speculative_config": configs[f"drafter k={best}"],
+                "options": {name: option.as_dict(alone[key]) for name, option in options.items()},
+                "serve": served,
+                "serve_chosen_by": "throughput" if len(served_tied) == 1 else "tokens per step",
+                "serve_within_noise": served_tied,
+                "serve_speedup": _ratio(options[served].tokens_per_s, alone[key].tokens_per_s),
+                "speculative_config": configs.get(served),
             }
         )
     return rows
@@ -255,6 +326,7 @@ def _measurement(tally: Tally, seconds: float, k: int) -> dict[str, Any]:
         "draft_tokens": tally.draft_tokens,
         "accepted_tokens": sum(j * n for j, n in enumerate(tally.histogram)),
         "accepted_per_position": accepted_at_positions(tally, k),
+        "tokens_per_step": tokens_per_step(tally),
     }
 
 
@@ -262,13 +334,27 @@ def _measurement(tally: Tally, seconds: float, k: int) -> dict[str, Any]:
 
 
 def summarize(
-    settings: RunConfig, baseline: Measurement, drafters: dict[int, Measurement], untrained: Measurement | None
+    settings: RunConfig,
+    baseline: Measurement,
+    drafters: dict[int, Measurement],
+    untrained: Measurement | None,
+    free_methods: dict[str, dict[int, Measurement]] | None = None,
 ) -> dict[str, Any]:
     k, concurrency = settings.evaluation.draft_lengths[0], settings.evaluation.concurrencies[0]
+    free_methods = free_methods or {}
     result = headline(drafters[k], baseline, untrained, k, concurrency)
-    result["results"] = [row for length in sorted(drafters) for row in result_rows(drafters[length], baseline)]
-    result["recommendation"] = recommend(drafters, baseline)
+    jobs = [drafters[length] for length in sorted(drafters)]
+    jobs += [free_methods[method][length] for method in sorted(free_methods) for length in sorted(free_methods[method])]
+    result["results"] = [row for job in jobs for row in result_rows(job, baseline)]
+    result["recommendation"] = recommend(drafters, baseline, free_methods)
     return result
+
+
+def by_method_and_length(jobs: list[Measurement]) -> dict[str, dict[int, Measurement]]:
+    grouped: dict[str, dict[int, Measurement]] = {}
+    for job in jobs:
+        grouped.setdefault(str(job.speculative_method), {})[drafter_length(job)] = job
+    return grouped
 
 
 def run(
@@ -277,10 +363,12 @@ def run(
     drafter_jobs: list[Path],
     untrained: Path | None,
     outputs: dict[str, Path],
+    free_method_jobs: list[Path] | None = None,
 ) -> dict[str, Any]:
     drafters = {drafter_length(job): job for job in map(Measurement.read, drafter_jobs)}
     untrained_job = Measurement.read(untrained) if untrained else None
-    result = summarize(settings, Measurement.read(baseline), drafters, untrained_job)
+    free_methods = by_method_and_length([Measurement.read(job) for job in free_method_jobs or []])
+    result = summarize(settings, Measurement.read(baseline), drafters, untrained_job, free_methods)
     chosen = next(
         r for r in result["recommendation"] if r["temperature"] == 0.0 and r["concurrency"] == result["concurrency"]
     )
@@ -294,9 +382,11 @@ def run(
         f"(per position {result['acceptance_per_position']})"
     )
     for row in result["recommendation"]:
+        drafter = f"drafter k={row['num_speculative_tokens']}"
         log(
-            f"concurrency {row['concurrency']}, {sampling_name(row['temperature'])}: draft length "
-            f"{row['num_speculative_tokens']} ({row['speedup']}× the target alone; {choice_text(row)})"
+            f"concurrency {row['concurrency']}, {sampling_name(row['temperature'])}: serve {row['serve']} "
+            f"({row['serve_speedup']}× the target alone; {serve_text(row)})"
+            + ("" if row["serve"] == drafter else f"; the {drafter}: {row['speedup']}× ({choice_text(row)})")
         )
     return result
 
@@ -307,6 +397,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline", required=True, type=Path)
     parser.add_argument("--drafter-jobs", required=True, nargs="+", type=Path)
     parser.add_argument("--untrained", type=Path, default=None)
+    parser.add_argument("--free-method-jobs", nargs="*", type=Path, default=[])
     for name in ("acceptance", "spec-config", "acceptance-plot", "speedup-plot", "tables"):
         parser.add_argument(f"--{name}", required=True, type=Path)
     args = parser.parse_args(argv)
@@ -323,6 +414,7 @@ def main(argv: list[str] | None = None) -> None:
         args.drafter_jobs,
         args.untrained,
         outputs,
+        args.free_method_jobs,
     )
 
 

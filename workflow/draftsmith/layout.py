@@ -168,6 +168,9 @@ class Layout:
     def untrained_measurement(self, k: int | str) -> Path:
         return self.evaluation / f"untrained_k{k}.json"
 
+    def free_method_measurement(self, method: str, k: int | str) -> Path:
+        return self.evaluation / f"{method}_k{k}.json"
+
     @property
     def acceptance(self) -> Path:
         return self.evaluation / "acceptance.json"

@@ -198,9 +198,12 @@ def fitting_budget(plan: dict[str, Any]) -> str | None:
 
 
 def evaluation_loads(settings: RunConfig) -> int:
-    """The target alone once, once per draft length, and the untrained drafter once: on a
-    1T-parameter target each load is many minutes, so a long sweep shows here first."""
-    return 1 + len(settings.evaluation.draft_lengths) + int(settings.evaluation.compare_untrained)
+    """The target alone once, once per draft length for the drafter and for each free method,
+    and the untrained drafter once: on a 1T-parameter target each load is many minutes, so a
+    long sweep shows here first."""
+    evaluation = settings.evaluation
+    lengths = len(evaluation.draft_lengths)
+    return 1 + lengths * (1 + len(evaluation.free_methods)) + int(evaluation.compare_untrained)
 
 
 def human_bytes(n: float) -> str:

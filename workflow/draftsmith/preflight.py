@@ -347,6 +347,23 @@ def check_serving(target: TargetShape, settings: RunConfig) -> list[str]:
     return [problem] if problem else []
 
 
+# Packages a free method (evaluation.free_methods) needs beside vLLM: vLLM imports them only
+# once the server is up, and fails every evaluation job of that method after a model load.
+FREE_METHOD_PACKAGES = {"suffix": ("arctic_inference", "arctic-inference")}
+
+
+def check_free_methods(settings: RunConfig) -> list[str]:
+    problems = []
+    for method in settings.evaluation.free_methods:
+        module, distribution = FREE_METHOD_PACKAGES.get(method, (None, None))
+        if module and importlib.util.find_spec(module) is None:
+            problems.append(
+                f"evaluation.free_methods has {method}, which needs the {distribution} package; "
+                f"install it (pip install {distribution}) or drop {method} from evaluation.free_methods"
+            )
+    return problems
+
+
 def check_gpus(settings: RunConfig) -> list[str]:
     if not settings.on_cuda:
         return []
@@ -432,6 +449,7 @@ def run_checks(
     problems += check_install(install_cache)
     problems += check_writable([results])
     problems += check_loopback_port()
+    problems += check_free_methods(settings)
     if gpus:
         problems += check_gpus(settings)
     if target:

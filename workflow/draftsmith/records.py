@@ -161,8 +161,9 @@ class Phase:
 
 @dataclass(frozen=True)
 class Measurement(_Record):
-    """One evaluation job: the target alone (``drafter`` None) or with a drafter at
-    ``num_speculative_tokens``, every phase, and the server's own spec-decode counters."""
+    """One evaluation job: the target alone (``method`` None), with a drafter or with a
+    method that needs none at ``num_speculative_tokens``, every phase, and the server's own
+    spec-decode counters."""
 
     drafter: str | None
     num_speculative_tokens: int | None
@@ -170,6 +171,13 @@ class Measurement(_Record):
     server_counters: dict[str, int]
     mla_disabled: bool
     mla_disabled_because: str | None = None  # written only when MLA was disabled
+    # vLLM's speculative method; None in the baseline's, and in drafter jobs from before
+    # free methods were measured (``speculative_method`` reads those as eagle3).
+    method: str | None = None
+
+    @property
+    def speculative_method(self) -> str | None:
+        return self.method or ("eagle3" if self.drafter else None)
 
     def to_json(self) -> str:
         values: dict[str, Any] = {
@@ -181,6 +189,8 @@ class Measurement(_Record):
         }
         if self.mla_disabled_because is not None:
             values["mla_disabled_because"] = self.mla_disabled_because
+        if self.method is not None:
+            values["method"] = self.method
         return json.dumps(values, indent=2) + "\n"
 
     @classmethod

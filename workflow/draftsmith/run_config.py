@@ -233,6 +233,7 @@ class EvaluationSettings(Section):
     concurrency: int | tuple[int, ...]
     sampled: bool
     compare_untrained: bool
+    free_methods: tuple[str, ...]
     limit: int | None
     sets: dict[str, EvaluationSetSettings]
     request_timeout_s: float

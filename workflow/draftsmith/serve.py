@@ -1,11 +1,14 @@
-"""Serve the target with the trained drafter: the last step of a run, one command.
+"""Serve the target as the evaluation recommends: the last step of a run, one command.
 
     python -m draftsmith.serve                                  # the demo (results/)
     python -m draftsmith.serve --results-dir results/deepseek-v3-tiny --port 8000
     python -m draftsmith.serve --num-speculative-tokens 1 -- --max-num-seqs 64
+    python -m draftsmith.serve --drafter                        # the drafter, whatever won
 
 It reads the finished run's own record (``<results_dir>/.staging/config.json``) and the
-recommended serving config (``<results_dir>/drafter_speculative_config.json``), and starts
+recommended serving config (``<results_dir>/drafter_speculative_config.json``: the drafter,
+a free method such as n-gram lookup, or ``null`` when the target alone measured fastest),
+and starts
 vLLM's OpenAI server the way the evaluation did: the module entry point (the CPU build's
 ``vllm`` console script looks up a distribution named ``vllm`` and fails), the config's
 ``server`` options and environment, and on a CPU ``VLLM_MLA_DISABLE=1`` for an MLA target
@@ -39,30 +42,49 @@ class ServeError(DraftsmithError):
     pass
 
 
-def read_json(path: Path, what: str, fix: str) -> dict[str, Any]:
+UNFINISHED = (
+    "run the workflow to the end first (snakemake --cores all --resources gpu=8), "
+    "or pass --results-dir of a finished run"
+)
+
+
+def read_json(path: Path, what: str, fix: str) -> Any:
     if not path.is_file():
         raise ServeError(f"{what} {path} not found: {fix}")
     return json.loads(path.read_text())
 
 
-def speculative_config(results: Layout, num_speculative_tokens: int | None) -> dict[str, Any]:
-    """The recommended serving config, or the same drafter at another draft length."""
-    config = read_json(
-        results.speculative_config,
-        "the recommended serving config",
-        "run the workflow to the end first (snakemake --cores all --resources gpu=8), "
-        "or pass --results-dir of a finished run",
-    )
+def speculative_config(
+    results: Layout, num_speculative_tokens: int | None, drafter: bool = False
+) -> dict[str, Any] | None:
+    """The recommended serving config (None: the target alone), or the trained drafter at its
+    best draft length whatever was recommended; either at another draft length if asked."""
+    config = read_json(results.speculative_config, "the recommended serving config", UNFINISHED)
+    if drafter:
+        acceptance = read_json(results.acceptance, "the evaluation's summary", UNFINISHED)
+        config = next(
+            row["drafter_speculative_config"]
+            for row in acceptance["recommendation"]
+            if row["temperature"] == 0.0 and row["concurrency"] == acceptance["concurrency"]
+        )
+    if config is None:
+        if num_speculative_tokens is not None:
+            raise ServeError(
+                "the evaluation measured the target alone fastest, so there is no draft length to change; "
+                "add --drafter to serve the trained drafter anyway"
+            )
+        return None
     if num_speculative_tokens is not None:
         config["num_speculative_tokens"] = num_speculative_tokens
     return config
 
 
 def server_command(
-    run_config: RunConfig, spec_config: dict[str, Any], host: str, port: int, extra_args: list[str]
+    run_config: RunConfig, spec_config: dict[str, Any] | None, host: str, port: int, extra_args: list[str]
 ) -> tuple[list[str], dict[str, str]]:
-    """vLLM's argv and environment for the target plus drafter, as the evaluation serves them."""
-    spec = ServerSpec.from_config(run_config, extra_args=["--speculative-config", json.dumps(spec_config), *extra_args])
+    """vLLM's argv and environment for the target (and the speculation), as the evaluation served them."""
+    speculation = ["--speculative-config", json.dumps(spec_config)] if spec_config else []
+    spec = ServerSpec.from_config(run_config, extra_args=[*speculation, *extra_args])
     argv = spec.command(port)
     argv[argv.index("--host") + 1] = host
     attention = evaluation_attention(read_target_shape(spec.model), run_config.device)
@@ -74,7 +96,7 @@ def serve(args: argparse.Namespace) -> None:
     run_config = RunConfig.from_dict(
         read_json(results.run_config, "the run's config record", "pass --results-dir of a finished run")
     )
-    spec_config = speculative_config(results, args.num_speculative_tokens)
+    spec_config = speculative_config(results, args.num_speculative_tokens, args.drafter)
     argv, env = server_command(run_config, spec_config, args.host, args.port, args.vllm_args)
     model = argv[argv.index("--served-model-name") + 1]
     endpoint = Endpoint(f"http://{args.host}:{args.port}/v1", args.api_key or "", model)
@@ -89,8 +111,7 @@ def serve(args: argparse.Namespace) -> None:
     try:
         wait_until_healthy(process, endpoint, None, float(run_config.server.startup_timeout_s))
         log(
-            f"serving {model} with drafter {spec_config['model']} "
-            f"(k={spec_config['num_speculative_tokens']}) at {endpoint.base_url}; "
+            f"serving {model} {speculation_text(spec_config)} at {endpoint.base_url}; "
             f"metrics at {endpoint.root_url}/metrics; Ctrl-C stops it"
         )
         process.wait()
@@ -101,11 +122,22 @@ def serve(args: argparse.Namespace) -> None:
         stop_process_group(process)
 
 
+def speculation_text(spec_config: dict[str, Any] | None) -> str:
+    if spec_config is None:
+        return "alone (the evaluation measured no speculation faster: eval/tables.html; --drafter overrides)"
+    drafter = spec_config.get("model")
+    what = f"drafter {drafter}" if drafter else spec_config["method"]
+    return f"with {what} (k={spec_config['num_speculative_tokens']})"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results-dir", type=Path, default=Path("results"), help="a finished run's results_dir")
     parser.add_argument(
         "--num-speculative-tokens", type=int, default=None, help="draft length (default: the recommended one)"
+    )
+    parser.add_argument(
+        "--drafter", action="store_true", help="serve the trained drafter even where the evaluation chose otherwise"
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)

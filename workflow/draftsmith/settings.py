@@ -175,7 +175,10 @@ def off(key: str, value: Any) -> bool:
 
 # Settings whose every value is a job of its own (the value is in the output's name): a new
 # value adds its job and leaves the others; the rules tracking the whole list re-run.
-SWEPT = {"evaluation.num_speculative_tokens": "evaluate_drafter"}
+SWEPT = {
+    "evaluation.num_speculative_tokens": ("evaluate_drafter", "evaluate_free_method"),
+    "evaluation.free_methods": ("evaluate_free_method",),
+}
 
 # The keys that say where results go: a new value starts over in the new place.
 WHERE = ("results_dir",)
@@ -210,6 +213,7 @@ TARGET_READERS = (
     "evaluate_baseline",
     "evaluate_drafter",
     "evaluate_untrained",
+    "evaluate_free_method",
 )
 DRAFTER_SHAPE = (
     "target.model",
@@ -251,6 +255,7 @@ PLAN_READS = (
     "server.data_parallel_size",
     "evaluation.num_speculative_tokens",
     "evaluation.compare_untrained",
+    "evaluation.free_methods",
 )
 
 STAGES: dict[str, Stage] = {
@@ -367,9 +372,21 @@ STAGES: dict[str, Stage] = {
         operational=(*EVALUATION_OPERATIONS, "evaluation.num_speculative_tokens"),
         software=("vllm",),
     ),
+    # A method that needs no drafter: the method and the draft length are the job's wildcards.
+    "evaluate_free_method": Stage(
+        shaping=EVALUATION_SHAPE,
+        extent=("target.build_demo",),
+        operational=(*EVALUATION_OPERATIONS, "evaluation.num_speculative_tokens", "evaluation.free_methods"),
+        software=("vllm",),
+    ),
     # The tables, plots, recommendation and serving config, from the measurements.
     "evaluate": Stage(
-        shaping=("evaluation.num_speculative_tokens", "evaluation.concurrency", "evaluation.compare_untrained"),
+        shaping=(
+            "evaluation.num_speculative_tokens",
+            "evaluation.concurrency",
+            "evaluation.compare_untrained",
+            "evaluation.free_methods",
+        ),
     ),
     # Snapshots of the finished run: they re-run with the evaluation they read, and track
     # nothing themselves (a timeout change must not rewrite the report's plan).
@@ -391,10 +408,11 @@ CONSUMERS: dict[str, tuple[str, ...]] = {
     "training_view": ("train", "untrained_drafter"),
     "train": ("evaluate_drafter", "training_curves", "plan_snapshot"),
     "untrained_drafter": ("evaluate_untrained",),
-    "evaluation_sets": ("evaluate_baseline", "evaluate_drafter", "evaluate_untrained"),
+    "evaluation_sets": ("evaluate_baseline", "evaluate_drafter", "evaluate_untrained", "evaluate_free_method"),
     "evaluate_baseline": ("evaluate",),
     "evaluate_drafter": ("evaluate",),
     "evaluate_untrained": ("evaluate",),
+    "evaluate_free_method": ("evaluate",),
     "evaluate": ("plan_snapshot", "run_metadata"),
     "completion_lengths": (),
     "training_curves": (),
@@ -528,6 +546,8 @@ def absent_rules(config: dict[str, Any]) -> set[str]:
         absent.add("untrained_drafter")
     if run.hidden_states.limited_budget == 0:
         absent.add("extract")
+    if not run.evaluation.free_methods:
+        absent.add("evaluate_free_method")
     return absent
 
 
@@ -541,10 +561,10 @@ def reruns_between(base: dict[str, Any], changed: dict[str, Any]) -> set[str]:
         found = downstream(
             rule for rule in RULE_ORDER if tracked_settings(base, rule) != tracked_settings(changed, rule)
         )
-    found -= absent_rules(changed)
-    for key, rule in SWEPT.items():
+    for key, rules in SWEPT.items():
         if set(swept(lookup(changed, key))) - set(swept(lookup(base, key))):
-            found.add(rule)  # a new value is a job of its own; the others stay
+            found.update(rules)  # a new value is a job of its own; the others stay
+    found -= absent_rules(changed)
     after, before = typed(changed).evaluation, typed(base).evaluation
     if after.compare_untrained and after.draft_lengths[0] != before.draft_lengths[0]:
         found.add("evaluate_untrained")  # measured at the default draft length only
@@ -558,9 +578,8 @@ def reruns_text(setting: str) -> str:
         return "everything, in the new directory (a built demo target stays at `target.model`)"
     rules = [rule for rule in RULE_ORDER if rule in rules_tracking(setting)]
     if setting in SWEPT:
-        return (
-            f"`{SWEPT[setting]}` for each new value, " + ", ".join(f"`{rule}`" for rule in rules) + " and what follows"
-        )
+        jobs = " and ".join(f"`{rule}`" for rule in SWEPT[setting])
+        return f"{jobs} for each new value, " + ", ".join(f"`{rule}`" for rule in rules) + " and what follows"
     return ", ".join(f"`{rule}`" for rule in rules) + " and what follows" if rules else "nothing"
 
 

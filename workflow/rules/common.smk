@@ -19,6 +19,8 @@ QUESTION_SHARDS = list(range(RUN.questions.shards))
 # A disk budget of 0 stores no hidden states: training captures every row, nothing extracts.
 STORES_HIDDEN_STATES = RUN.hidden_states.limited_budget != 0
 EXTRACTION_SHARDS = list(range(RUN.extraction.shards)) if STORES_HIDDEN_STATES else []
+# The evaluate_free_method jobs' wildcard: only the configured methods (never "drafter").
+FREE_METHOD_NAMES = "|".join(RUN.evaluation.free_methods) or "(?!)"
 
 
 def path(location):
@@ -84,6 +86,14 @@ def measurement_threads():
 
 def drafter_measurements():
     return [path(LAYOUT.drafter_measurement(k)) for k in RUN.evaluation.draft_lengths]
+
+
+def free_method_measurements():
+    return [
+        path(LAYOUT.free_method_measurement(method, k))
+        for method in RUN.evaluation.free_methods
+        for k in RUN.evaluation.draft_lengths
+    ]
 
 
 def untrained_measurement_input():

@@ -93,11 +93,41 @@ use rule evaluate_drafter as evaluate_untrained with:
         phases="--default-only",
 
 
+# The methods that need no training (evaluation.free_methods), one job per method and draft
+# length: what a user gets from vLLM for free, measured like the drafter.
+rule evaluate_free_method:
+    input:
+        prompts=path(LAYOUT.evaluation_prompts),
+        model=target_model_input(),
+    output:
+        path(LAYOUT.free_method_measurement("{method}", "{k}")),
+    log:
+        log_path("evaluate/{method}_k{k}"),
+    benchmark:
+        benchmark_path("evaluate/{method}_k{k}")
+    wildcard_constraints:
+        method=FREE_METHOD_NAMES,
+        k=r"\d+",
+    conda:
+        CONDA_ENV
+    threads: measurement_threads()
+    resources:
+        gpu=RUN.gpu_slot,
+    params:
+        tracked=tracked("evaluate_free_method"),
+        config=RUN_CONFIG,
+    shell:
+        "python -m draftsmith.evaluate --settings {params.config:q} --stage evaluate_free_method"
+        " --prompts {input.prompts:q} --method {wildcards.method} --num-speculative-tokens {wildcards.k}"
+        " --output {output:q} --granted-gpus {resources.gpu} > {log:q} 2>&1"
+
+
 rule evaluate:
     input:
         baseline=path(LAYOUT.baseline_measurement),
         drafter_jobs=drafter_measurements(),
         untrained=untrained_measurement_input(),
+        free_method_jobs=free_method_measurements(),
     output:
         acceptance=path(LAYOUT.acceptance),
         spec_config=path(LAYOUT.speculative_config),
@@ -127,9 +157,14 @@ rule evaluate:
         untrained=lambda wildcards, input: (
             f"--untrained {shlex.quote(input.untrained[0])}" if input.untrained else ""
         ),
+        free_methods=lambda wildcards, input: (
+            f"--free-method-jobs {shlex.join(input.free_method_jobs)}"
+            if input.free_method_jobs
+            else ""
+        ),
     shell:
         "python -m draftsmith.evaluation_summary --settings {params.config:q}"
-        " --baseline {input.baseline:q} --drafter-jobs {input.drafter_jobs:q} {params.untrained}"
+        " --baseline {input.baseline:q} --drafter-jobs {input.drafter_jobs:q} {params.untrained} {params.free_methods}"
         " --acceptance {output.acceptance:q}"
         " --spec-config {output.spec_config:q} --acceptance-plot {output.acceptance_plot:q}"
         " --speedup-plot {output.speedup_plot:q} --tables {output.tables:q} > {log:q} 2>&1"
