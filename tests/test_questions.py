@@ -66,7 +66,9 @@ def test_every_common_shape_becomes_a_prompt():
 @pytest.mark.parametrize(
     ("row", "reason"),
     [
-        ({"messages": [{"role": "assistant", "content": "hi"}]}, "no user turn"),
+        ({"messages": [{"role": "assistant", "content": "hi"}]}, "starts with an assistant turn"),
+        ({"conversations": [{"from": "human", "value": ""}, {"from": "gpt", "value": "hi"}]}, "empty first user turn"),
+        ({"messages": []}, "no messages, conversations or prompt field"),
         ({"messages": [{"role": "user", "content": "   "}]}, "no user turn"),
         ({"text": "no conversation here"}, "no messages, conversations or prompt field"),
         ({"messages": [{"role": "user", "content": ["not", "text"]}]}, "user turn content is not text"),
@@ -132,8 +134,35 @@ def test_bad_rows_are_counted_not_fatal(tmp_path):
     assert summary["bad_rows_by_reason"] == {
         "malformed JSON line": 1,
         "invalid UTF-8": 1,
-        "no user turn": 1,
+        "starts with an assistant turn": 1,
     }
+
+
+def test_a_json_array_is_read_as_a_stream_and_a_cut_off_file_keeps_its_complete_rows(tmp_path):
+    """ShareGPT's own JSON, as shipped: an array cut off mid-record, with conversations that
+    start with the assistant or carry an empty first human turn. Each is a counted bad row."""
+    rows = [{"id": str(i), "conversations": [{"from": "human", "value": f"question {i}"}]} for i in range(4)]
+    rows.append({"id": "a", "conversations": [{"from": "gpt", "value": "I start"}, {"from": "human", "value": "x"}]})
+    rows.append({"id": "e", "conversations": [{"from": "human", "value": " "}, {"from": "gpt", "value": "hm"}]})
+    text = json.dumps(rows, indent=1)
+    path = tmp_path / "sharegpt.json"
+    path.write_text(text[:-1] + ', {"id": "cut", "conversations": [{"from": "human", "value": "never fin')
+    summary = q.run(settings(path, heldout=1), tmp_path / "out")
+    assert summary["questions"] == 4 and summary["rows_read"] == 7
+    assert summary["bad_rows_by_reason"] == {
+        "starts with an assistant turn": 1,
+        "empty first user turn": 1,
+        "file ends inside a record (cut off)": 1,
+    }
+    broken = tmp_path / "broken.json"
+    broken.write_text(text[:-1] + ", {not json}, " + json.dumps(rows[0]) + "]")
+    assert (
+        q.run(settings(broken, heldout=1), tmp_path / "b")["bad_rows_by_reason"]["malformed JSON: the rest of the file"]
+        == 1
+    )
+    (tmp_path / "object.json").write_text('{"rows": []}')
+    with pytest.raises(q.QuestionsError, match="must hold a JSON array of rows"):
+        q.run(settings(tmp_path / "object.json"), tmp_path / "c")
 
 
 def test_zero_usable_questions_is_a_clear_error(tmp_path):

@@ -77,18 +77,22 @@ def _role_and_content(turn: Any) -> tuple[str, Any]:
 
 
 def prompt_turns(row: Any) -> tuple[tuple[str, str], ...]:
-    """System turns and the first user turn before any assistant reply."""
+    """System turns and the first user turn before any assistant reply. A conversation whose
+    first reply comes before any user text is a bad row, and says which of the two it is
+    (ShareGPT holds both kinds)."""
     prompt: list[tuple[str, str]] = []
+    empty_user_turn = False
     for turn in _turns(row):
         role, content = _role_and_content(turn)
         if role in ASSISTANT_ROLES:
-            break
+            raise BadRow("empty first user turn" if empty_user_turn else "starts with an assistant turn")
         if role not in USER_ROLES and role != "system":
             continue
         if not isinstance(content, str):
             raise BadRow(f"{role} turn content is not text")
         content = content.strip()
         if not content:
+            empty_user_turn = empty_user_turn or role in USER_ROLES
             continue
         prompt.append(("user" if role in USER_ROLES else "system", content))
         if role in USER_ROLES:
@@ -118,6 +122,25 @@ def _read_jsonl(path: Path) -> Iterator[Any]:
                 yield BadRow("malformed JSON line")
 
 
+def _read_json_array(path: Path, source: str) -> Iterator[Any]:
+    """The rows of a JSON array, one at a time: ShareGPT's file is 125 MB and more in memory
+    as Python objects (ijson parses it as a stream; the json module cannot). A file that
+    ends inside a record (ShareGPT's as shipped) or breaks off into malformed JSON yields
+    the rows before that, and one bad row saying why the rest was not read."""
+    import ijson
+
+    with path.open("rb") as handle:
+        start = handle.read(64).lstrip()[:1]
+        if start != b"[":
+            raise QuestionsError(f"{source} must hold a JSON array of rows; fix the file or use JSONL")
+        handle.seek(0)
+        try:
+            yield from ijson.items(handle, "item", use_float=True)
+        except ijson.JSONError as error:
+            cut_off = "premature EOF" in str(error)
+            yield BadRow("file ends inside a record (cut off)" if cut_off else "malformed JSON: the rest of the file")
+
+
 def is_local_source(source: str) -> bool:
     """A local file or dataset directory, not a hub id: a file suffix, or a path no hub id
     (``name`` or ``owner/name``) looks like. A missing local path is an error, never a hub
@@ -145,13 +168,7 @@ def read_rows(source: str, split: str = "train", subset: str | None = None) -> I
             yield from _read_jsonl(path)
             return
         if path.suffix.lower() == ".json":
-            try:
-                data = json.loads(path.read_text(encoding="utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as error:
-                raise QuestionsError(f"{source} is not valid JSON ({error}); fix the file or use JSONL") from error
-            if not isinstance(data, list):
-                raise QuestionsError(f"{source} must hold a JSON array of rows")
-            yield from data
+            yield from _read_json_array(path, source)
             return
         import pyarrow.parquet as pq
 
