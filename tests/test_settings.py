@@ -117,7 +117,8 @@ def test_the_dag_copy_matches_snakemakes_rule_graph(tmp_path):
     for source, target in re.findall(r"^\s*(\d+) -> (\d+)", run.stdout, re.MULTILINE):
         if names[target] != "all":
             edges[names[source]].add(names[target])
-    assert edges == {rule: set(consumers) for rule, consumers in CONSUMERS.items()}
+    # Every rule but the GGUF conversion, which the demo (a built target) cannot have.
+    assert edges == {rule: set(consumers) for rule, consumers in CONSUMERS.items() if rule != "gguf_target"}
 
 
 def test_operational_keys_are_in_no_rules_params():

@@ -42,6 +42,10 @@ def cross_field_problems(config: RunConfig) -> list[str]:
                 f"vLLM would refuse every request (no room for the prompt); lower {section}.max_tokens "
                 "or raise server.max_model_len"
             )
+    if config.target.gguf and config.target.build_demo:
+        problems.append(
+            "config target.gguf and target.build_demo both make target.model; keep one (build_demo is for the demo)"
+        )
     seq_length = config.dataset.seq_length
     if max_model_len < seq_length + 1:
         problems.append(

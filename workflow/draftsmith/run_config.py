@@ -109,6 +109,8 @@ class TargetSettings(Section):
     SECTION: ClassVar[str] = "target."
     model: str
     build_demo: bool
+    gguf: str | None
+    gguf_dtype: str
     demo_architecture: str
     demo_train_steps: int
     trust_remote_code: bool

@@ -260,6 +260,7 @@ PLAN_READS = (
 
 STAGES: dict[str, Stage] = {
     "demo_model": Stage(shaping=("target.model", "target.demo_architecture", "target.demo_train_steps")),
+    "gguf_target": Stage(shaping=("target.model", "target.gguf", "target.gguf_dtype"), software=("transformers",)),
     "questions": Stage(
         shaping=(
             "questions.source",
@@ -401,6 +402,7 @@ STAGES: dict[str, Stage] = {
 # Snakemake's own). A rule that re-runs re-runs everything that reads it.
 CONSUMERS: dict[str, tuple[str, ...]] = {
     "demo_model": TARGET_READERS,
+    "gguf_target": TARGET_READERS,
     "questions": ("generate", "evaluation_sets", "plan_snapshot"),
     "generate": ("dataset", "completion_lengths", "plan_snapshot"),
     "dataset": ("extract", "training_view", "train", "untrained_drafter"),
@@ -530,8 +532,8 @@ def rules_tracking(setting: str) -> list[str]:
 
 def reruns(setting: str) -> list[str]:
     """The rules a change of ``setting`` re-runs, in pipeline order."""
-    if setting in WHERE:  # the demo target is built at target.model, not under results_dir
-        return [rule for rule in RULE_ORDER if rule != "demo_model"]
+    if setting in WHERE:  # a built target (demo, GGUF) is at target.model, not under results_dir
+        return [rule for rule in RULE_ORDER if rule not in ("demo_model", "gguf_target")]
     found = downstream(rules_tracking(setting))
     return [rule for rule in RULE_ORDER if rule in found]
 
@@ -542,6 +544,8 @@ def absent_rules(config: dict[str, Any]) -> set[str]:
     absent, run = set(), typed(config)
     if not run.target.build_demo:
         absent.add("demo_model")
+    if not run.target.gguf:
+        absent.add("gguf_target")
     if not run.evaluation.compare_untrained:
         absent.add("untrained_drafter")
     if run.hidden_states.limited_budget == 0:

@@ -45,8 +45,8 @@ def tracked(rule):
 
 
 def target_model_input():
-    """The demo's target is built by a rule; a production target is a path we only read."""
-    return [RUN.target.model] if RUN.target.build_demo else []
+    """A demo or GGUF target is built by a rule; a production target is a path we only read."""
+    return [RUN.target.model] if RUN.target.build_demo or RUN.target.gguf else []
 
 
 def questions_source_input():

@@ -28,7 +28,8 @@ def run_preflight():
     command = ["python", "-m", "draftsmith.preflight", "--settings", RUN_CONFIG]
     command += ["--results", RESULTS, "--output", path(LAYOUT.preflight_record)]
     command += ["--install-cache", str(default_install_cache())]
-    if RUN.target.build_demo and not os.path.exists(RUN.target.model):
+    built = RUN.target.build_demo or RUN.target.gguf
+    if built and not os.path.exists(RUN.target.model):
         command.append(
             "--skip-target"
         )  # a rule builds it; its checks run in the rule's jobs
