@@ -118,8 +118,11 @@ def test_drafter_carries_the_extracted_layers(demo_run):
     # Outputs of layers 1, 2, 4 (+ the final 5) are vLLM ids 2, 3, 5 (+ 6).
     assert manifest is not None and manifest.vllm_layer_ids == [2, 3, 5, 6]
     assert drafter["eagle_aux_hidden_state_layer_ids"] == [2, 3, 5]
-    spec = json.loads((demo_run / "results/drafter_speculative_config.json").read_text())
-    assert spec["method"] == "eagle3" and Path(spec["model"]) == (demo_run / "results/drafter").resolve()
+    # The drafter's serving config (what is served may be another option: the sweep test).
+    result = json.loads((demo_run / "results/eval/acceptance.json").read_text())
+    for row in result["recommendation"]:
+        spec = row["drafter_speculative_config"]
+        assert spec["method"] == "eagle3" and Path(spec["model"]) == (demo_run / "results/drafter").resolve()
 
 
 def test_every_question_is_answered_once_and_traceable(demo_run):
