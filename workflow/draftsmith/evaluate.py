@@ -212,7 +212,12 @@ def relative_spread(tally: Tally) -> float:
 
 def acceptance_length(tally: Tally) -> float:
     steps = sum(tally.histogram)
-    return 1.0 + sum(j * n for j, n in enumerate(tally.histogram)) / steps if steps else 1.0
+    return 1.0 + accepted_tokens(tally) / steps if steps else 1.0
+
+
+def accepted_tokens(tally: Tally) -> int:
+    """Draft tokens accepted over all verify steps: histogram[j] steps accepted j each."""
+    return sum(j * n for j, n in enumerate(tally.histogram))
 
 
 def check_against_server(
@@ -225,7 +230,7 @@ def check_against_server(
     lookup only where it finds a match, so for it no drafts at all is a result."""
     total = merged(t for phase in phases for t in phase.categories.values())
     steps = sum(total.histogram)
-    accepted = sum(j * n for j, n in enumerate(total.histogram))
+    accepted = accepted_tokens(total)
     if not counters["drafts"] and drafts_expected:
         raise EvaluationError(
             f"vLLM reported no drafts while serving {label}; the drafter was not used: "

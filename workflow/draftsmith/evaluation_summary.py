@@ -40,6 +40,7 @@ from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.evaluate import (
     acceptance_length,
+    accepted_tokens,
     free_method_config,
     merged,
     relative_spread,
@@ -68,10 +69,6 @@ def per_position(tally: Tally, k: int) -> list[float]:
     """Acceptance at each draft position: accepted there / steps."""
     steps = sum(tally.histogram)
     return [round(n / steps, 4) if steps else 0.0 for n in accepted_at_positions(tally, k)]
-
-
-def accepted_tokens(tally: Tally) -> int:
-    return sum(j * n for j, n in enumerate(tally.histogram))
 
 
 def tokens_per_step(tally: Tally) -> float:
@@ -324,7 +321,7 @@ def _measurement(tally: Tally, seconds: float, k: int) -> dict[str, Any]:
         "seconds": round(seconds, 3),
         "drafts": steps,
         "draft_tokens": tally.draft_tokens,
-        "accepted_tokens": sum(j * n for j, n in enumerate(tally.histogram)),
+        "accepted_tokens": accepted_tokens(tally),
         "accepted_per_position": accepted_at_positions(tally, k),
         "tokens_per_step": tokens_per_step(tally),
     }
