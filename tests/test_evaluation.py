@@ -248,7 +248,17 @@ def write_jsonl(path, rows):
     return str(path)
 
 
-def test_sets_read_prompt_fields_categories_and_limits(tmp_path):
+def sets_config(model, sets, max_model_len=512, max_tokens=64, limit=None) -> RunConfig:
+    return RunConfig.from_dict(
+        {
+            "target": {"model": str(model), "trust_remote_code": False},
+            "server": {"max_model_len": max_model_len},
+            "evaluation": {"limit": limit, "max_tokens": max_tokens, "sets": sets},
+        }
+    )
+
+
+def test_sets_read_prompt_fields_categories_and_limits(tmp_path, tiny_tokenizer):
     heldout = tmp_path / "heldout.jsonl"
     write_jsonl(heldout, [{"id": "h1", "messages": [{"role": "user", "content": "hi"}]}])
     gsm = write_jsonl(tmp_path / "gsm.jsonl", [{"question": f"what is {n}+1?"} for n in range(5)])
@@ -260,17 +270,12 @@ def test_sets_read_prompt_fields_categories_and_limits(tmp_path):
             {"prompt": ["write a poem", "again"], "category": "writing"},  # same first turn: a duplicate
         ],
     )
-    config = {
-        "evaluation": {
-            "limit": None,
-            "sets": {
-                "gsm8k": {"source": gsm, "prompt_field": "question", "limit": 3},
-                "mt_bench": {"source": mt, "category_field": "category"},
-            },
-        }
+    sets = {
+        "gsm8k": {"source": gsm, "prompt_field": "question", "limit": 3},
+        "mt_bench": {"source": mt, "category_field": "category"},
     }
     output = tmp_path / "prompts.jsonl"
-    sizes = evaluation_sets.run(RunConfig.from_dict(config), heldout, output)
+    sizes = evaluation_sets.run(sets_config(tiny_tokenizer, sets), heldout, output, tmp_path / "sets.json")
     prompts = evaluation_sets.read_prompts(output)
     assert {name: sum(c.values()) for name, c in sizes.items()} == {"heldout": 1, "gsm8k": 3, "mt_bench": 2}
     assert [p["category"] for p in prompts if p["set"] == "mt_bench"] == ["writing", "math"]
@@ -278,13 +283,46 @@ def test_sets_read_prompt_fields_categories_and_limits(tmp_path):
     assert prompts[0] == {"set": "heldout", "category": "all", "id": "h1", **prompts[0]}
 
 
-def test_a_set_with_no_usable_prompt_is_named(tmp_path):
+def test_a_set_with_no_usable_prompt_is_named(tmp_path, tiny_tokenizer):
     heldout = write_jsonl(tmp_path / "heldout.jsonl", [{"id": "h1", "messages": [{"role": "user", "content": "x"}]}])
     empty = write_jsonl(tmp_path / "bad.jsonl", [{"text": "no prompt here"}])
-    config = {"evaluation": {"limit": None, "sets": {"code": {"source": empty}}}}
+    config = sets_config(tiny_tokenizer, {"code": {"source": empty}})
     with pytest.raises(evaluation_sets.EvaluationSetError, match="evaluation.sets.code .* holds no usable prompt"):
-        evaluation_sets.run(RunConfig.from_dict(config), tmp_path / "heldout.jsonl", tmp_path / "out.jsonl")
+        evaluation_sets.run(config, tmp_path / "heldout.jsonl", tmp_path / "out.jsonl", tmp_path / "sets.json")
     assert heldout and not (tmp_path / "out.jsonl").exists()
+
+
+def user(text):
+    return [{"role": "user", "content": text}]
+
+
+def test_prompts_with_no_room_for_the_answer_are_dropped_and_counted_per_set(tmp_path, tiny_tokenizer):
+    """At max_model_len 100 and max_tokens 40, a prompt may hold 60 tokens (chat template
+    included): longer ones never reach a server, in the held-out split or in a set."""
+    long_text = "word " * 80  # 83 tokens with the template; "hi" is 4
+    heldout = tmp_path / "heldout.jsonl"
+    write_jsonl(heldout, [{"id": "h1", "messages": user("hi")}, {"id": "h2", "messages": user(long_text)}])
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": long_text}, {"prompt": "hi"}, {"prompt": "ho"}])
+    config = sets_config(tiny_tokenizer, {"chat": {"source": chat}}, max_model_len=100, max_tokens=40, limit=1)
+    output, summary = tmp_path / "prompts.jsonl", tmp_path / "sets.json"
+    sizes = evaluation_sets.run(config, heldout, output, summary)
+    assert {name: sum(c.values()) for name, c in sizes.items()} == {"heldout": 1, "chat": 2}
+    assert [p["id"] for p in evaluation_sets.read_prompts(output)][0] == "h1"
+    reason = "prompt over 60 tokens (no room for evaluation.max_tokens 40 in server.max_model_len 100)"
+    record = json.loads(summary.read_text())
+    assert record["max_prompt_tokens"] == 60
+    assert record["sets"]["heldout"] | {"by_category": None} == {
+        "rows_read": 2,
+        "duplicates": 0,
+        "dropped": {reason: 1},
+        "prompts": 1,
+        "by_category": None,
+    }
+    assert record["sets"]["chat"]["dropped"] == {reason: 1} and record["sets"]["chat"]["prompts"] == 2
+    # A held-out split with nothing that fits says which setting to change, before any server.
+    config = sets_config(tiny_tokenizer, {}, max_model_len=100, max_tokens=99)
+    with pytest.raises(evaluation_sets.EvaluationSetError, match="lower evaluation.max_tokens or raise"):
+        evaluation_sets.run(config, heldout, output, summary)
 
 
 def demo() -> dict:

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from snakemake.utils import validate
 
-from draftsmith import dataset, generate, layout, preflight, train
+from draftsmith import dataset, generate, layout, preflight, prompt_length, train
 from draftsmith.layers import resolve_layers
 from draftsmith.plan import plan_for
 from draftsmith.run_config import RunConfig
@@ -60,11 +60,15 @@ def test_trust_remote_code_reaches_every_consumer(kimi, tmp_path, monkeypatch):
 
         return load
 
-    # The generation stage's context check loads the tokenizer.
-    monkeypatch.setattr(generate.AutoTokenizer, "from_pretrained", loader("generate tokenizer"))
+    # Every stage that measures prompts loads the tokenizer: questions, the evaluation sets, generation.
+    monkeypatch.setattr(prompt_length.AutoTokenizer, "from_pretrained", loader("tokenizer"))
+    for stage, answer in (("questions", "generation.max_tokens"), ("evaluation_sets", "evaluation.max_tokens")):
+        with pytest.raises(RuntimeError, match="stop here"):
+            prompt_length.prompt_limit(RunConfig.from_dict(stage_view(kimi, stage)), answer)
+        assert seen.pop("tokenizer") is True
     with pytest.raises(RuntimeError, match="stop here"):
         generate.overlong_prompts(RunConfig.from_dict(stage_view(kimi, "generate")), [{"id": "q", "messages": []}])
-    assert seen == {"generate tokenizer": True}
+    assert seen == {"tokenizer": True}
     # prepare-data, speculators train and every vLLM server get the flag.
     prepare = dataset.prepare_data_command(
         RunConfig.from_dict(stage_view(kimi, "dataset")), tmp_path / "m.jsonl", tmp_path / "o"

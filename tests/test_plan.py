@@ -56,6 +56,16 @@ def test_measured_tokens_replace_the_upper_bound(tmp_path):
     assert plan["done"]["generation_shards_done"] == 1
 
 
+def test_after_the_questions_stage_the_plan_counts_its_questions_and_the_prompts_it_dropped(tmp_path):
+    results = tmp_path / "results"
+    (results / "questions").mkdir(parents=True)
+    summary = {"train": 9000, "heldout": 200, "too_long": 45, "max_prompt_tokens": 1408}
+    (results / "questions" / "summary.json").write_text(json.dumps(summary))
+    plan = plan_for(RunConfig.from_dict(kimi_settings(tmp_path)), results)
+    assert (plan["questions_train"], plan["questions_heldout"]) == (9000, 200)
+    assert "9,000 / 200 (questions stage; 45 dropped: prompt over 1,408 tokens)" in format_plan(plan)
+
+
 def test_plan_cli_prints_the_table(tmp_path):
     settings = kimi_settings(tmp_path)
     run = subprocess.run(

@@ -1,6 +1,7 @@
 """Questions stage: shapes, dedup, stable ids, deterministic split, bad rows."""
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -10,7 +11,7 @@ from draftsmith import questions as q
 from draftsmith.run_config import RunConfig
 
 
-def settings(source, **overrides):
+def settings(source, model, max_model_len=512, max_tokens=64, **overrides):
     section = {
         "source": str(source),
         "split": "train",
@@ -19,9 +20,17 @@ def settings(source, **overrides):
         "heldout": 2,
         "shards": 2,
         "seed": 0,
+        "max_prompt_tokens": None,
     }
     section.update(overrides)
-    return RunConfig.from_dict({"questions": section})
+    return RunConfig.from_dict(
+        {
+            "questions": section,
+            "target": {"model": str(model), "trust_remote_code": False},
+            "server": {"max_model_len": max_model_len},
+            "generation": {"max_tokens": max_tokens},
+        }
+    )
 
 
 def write_jsonl(path, rows):
@@ -80,15 +89,15 @@ def test_bad_rows_name_their_reason(row, reason):
         q.prompt_turns(row)
 
 
-def test_dedup_by_normalized_content_and_stable_ids(tmp_path):
-    summary = q.run(settings(write_jsonl(tmp_path / "in.jsonl", ROWS)), tmp_path / "out")
+def test_dedup_by_normalized_content_and_stable_ids(tmp_path, tiny_tokenizer):
+    summary = q.run(settings(write_jsonl(tmp_path / "in.jsonl", ROWS), tiny_tokenizer), tmp_path / "out")
     assert summary["duplicates"] == 1
     assert summary["questions"] == 6
     first = all_ids(tmp_path / "out")
     assert len(first) == len(set(first)) == 6
 
     # Same content in another order and with other ids -> the same ids and the same split.
-    q.run(settings(write_jsonl(tmp_path / "in2.jsonl", ROWS[::-1])), tmp_path / "out2")
+    q.run(settings(write_jsonl(tmp_path / "in2.jsonl", ROWS[::-1]), tiny_tokenizer), tmp_path / "out2")
     assert sorted(all_ids(tmp_path / "out2")) == sorted(first)
     heldout = lambda out: sorted(r["id"] for r in read_jsonl(out / "heldout.jsonl"))  # noqa: E731
     assert heldout(tmp_path / "out") == heldout(tmp_path / "out2")
@@ -115,12 +124,14 @@ def test_growing_the_pool_keeps_questions_in_their_shard():
     assert sum(map(len, small)) == 199 and len(shard_of) + len(held) == 300
 
 
-def test_limit_applies_after_dedup(tmp_path):
-    summary = q.run(settings(write_jsonl(tmp_path / "in.jsonl", ROWS), limit=5, heldout=1), tmp_path / "o")
+def test_limit_applies_after_dedup(tmp_path, tiny_tokenizer):
+    summary = q.run(
+        settings(write_jsonl(tmp_path / "in.jsonl", ROWS), tiny_tokenizer, limit=5, heldout=1), tmp_path / "o"
+    )
     assert summary["questions"] == 5 and summary["duplicates"] == 1
 
 
-def test_bad_rows_are_counted_not_fatal(tmp_path):
+def test_bad_rows_are_counted_not_fatal(tmp_path, tiny_tokenizer):
     path = tmp_path / "in.jsonl"
     path.write_bytes(
         b'{"prompt": "good one"}\n'
@@ -129,7 +140,7 @@ def test_bad_rows_are_counted_not_fatal(tmp_path):
         b'{"messages": [{"role": "assistant", "content": "no question"}]}\n'
         b'{"prompt": "good two"}\n{"prompt": "good three"}\n'
     )
-    summary = q.run(settings(path, heldout=1), tmp_path / "out")
+    summary = q.run(settings(path, tiny_tokenizer, heldout=1), tmp_path / "out")
     assert summary["questions"] == 3
     assert summary["bad_rows_by_reason"] == {
         "malformed JSON line": 1,
@@ -138,7 +149,7 @@ def test_bad_rows_are_counted_not_fatal(tmp_path):
     }
 
 
-def test_a_json_array_is_read_as_a_stream_and_a_cut_off_file_keeps_its_complete_rows(tmp_path):
+def test_a_json_array_is_read_as_a_stream_and_a_cut_off_file_keeps_its_complete_rows(tmp_path, tiny_tokenizer):
     """ShareGPT's own JSON, as shipped: an array cut off mid-record, with conversations that
     start with the assistant or carry an empty first human turn. Each is a counted bad row."""
     rows = [{"id": str(i), "conversations": [{"from": "human", "value": f"question {i}"}]} for i in range(4)]
@@ -147,7 +158,7 @@ def test_a_json_array_is_read_as_a_stream_and_a_cut_off_file_keeps_its_complete_
     text = json.dumps(rows, indent=1)
     path = tmp_path / "sharegpt.json"
     path.write_text(text[:-1] + ', {"id": "cut", "conversations": [{"from": "human", "value": "never fin')
-    summary = q.run(settings(path, heldout=1), tmp_path / "out")
+    summary = q.run(settings(path, tiny_tokenizer, heldout=1), tmp_path / "out")
     assert summary["questions"] == 4 and summary["rows_read"] == 7
     assert summary["bad_rows_by_reason"] == {
         "starts with an assistant turn": 1,
@@ -157,63 +168,103 @@ def test_a_json_array_is_read_as_a_stream_and_a_cut_off_file_keeps_its_complete_
     broken = tmp_path / "broken.json"
     broken.write_text(text[:-1] + ", {not json}, " + json.dumps(rows[0]) + "]")
     assert (
-        q.run(settings(broken, heldout=1), tmp_path / "b")["bad_rows_by_reason"]["malformed JSON: the rest of the file"]
+        q.run(settings(broken, tiny_tokenizer, heldout=1), tmp_path / "b")["bad_rows_by_reason"][
+            "malformed JSON: the rest of the file"
+        ]
         == 1
     )
     (tmp_path / "object.json").write_text('{"rows": []}')
     with pytest.raises(q.QuestionsError, match="must hold a JSON array of rows"):
-        q.run(settings(tmp_path / "object.json"), tmp_path / "c")
+        q.run(settings(tmp_path / "object.json", tiny_tokenizer), tmp_path / "c")
 
 
-def test_zero_usable_questions_is_a_clear_error(tmp_path):
+def test_zero_usable_questions_is_a_clear_error(tmp_path, tiny_tokenizer):
     path = write_jsonl(tmp_path / "in.jsonl", [{"text": "x"}, {"messages": []}])
     with pytest.raises(q.QuestionsError, match="no usable questions"):
-        q.run(settings(path), tmp_path / "out")
+        q.run(settings(path, tiny_tokenizer), tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
-def test_empty_or_missing_source_is_a_clear_error(tmp_path):
+def test_empty_or_missing_source_is_a_clear_error(tmp_path, tiny_tokenizer):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(q.QuestionsError, match="is empty"):
-        q.run(settings(tmp_path / "empty.jsonl"), tmp_path / "out")
+        q.run(settings(tmp_path / "empty.jsonl", tiny_tokenizer), tmp_path / "out")
     with pytest.raises(q.QuestionsError, match="does not exist"):
-        q.run(settings(tmp_path / "absent.jsonl"), tmp_path / "out")
+        q.run(settings(tmp_path / "absent.jsonl", tiny_tokenizer), tmp_path / "out")
 
 
-def test_heldout_larger_than_pool_is_a_clear_error(tmp_path):
+def test_heldout_larger_than_pool_is_a_clear_error(tmp_path, tiny_tokenizer):
     with pytest.raises(q.QuestionsError, match="lower questions.heldout"):
-        q.run(settings(write_jsonl(tmp_path / "in.jsonl", ROWS), heldout=6), tmp_path / "out")
+        q.run(settings(write_jsonl(tmp_path / "in.jsonl", ROWS), tiny_tokenizer, heldout=6), tmp_path / "out")
 
 
-def test_json_and_parquet_sources(tmp_path):
+def test_json_and_parquet_sources(tmp_path, tiny_tokenizer):
     rows = [{"prompt": f"question {i}"} for i in range(5)]
     (tmp_path / "in.json").write_text(json.dumps(rows))
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet")
-    from_json = q.run(settings(tmp_path / "in.json", heldout=1), tmp_path / "a")
-    from_parquet = q.run(settings(tmp_path / "in.parquet", heldout=1), tmp_path / "b")
+    from_json = q.run(settings(tmp_path / "in.json", tiny_tokenizer, heldout=1), tmp_path / "a")
+    from_parquet = q.run(settings(tmp_path / "in.parquet", tiny_tokenizer, heldout=1), tmp_path / "b")
     assert from_json["questions"] == from_parquet["questions"] == 5
     assert sorted(all_ids(tmp_path / "a")) == sorted(all_ids(tmp_path / "b"))
 
 
-def test_hugging_face_dataset_through_datasets(tmp_path):
+def test_hugging_face_dataset_through_datasets(tmp_path, tiny_tokenizer):
     """A dataset directory in the hub layout loads through `datasets.load_dataset`."""
     repo = tmp_path / "org_dataset"
     (repo / "data").mkdir(parents=True)
     write_jsonl(
         repo / "data" / "train.jsonl", [{"conversations": [{"from": "human", "value": f"q{i}"}]} for i in range(4)]
     )
-    summary = q.run(settings(repo, heldout=1), tmp_path / "out")
+    summary = q.run(settings(repo, tiny_tokenizer, heldout=1), tmp_path / "out")
     assert summary["questions"] == 4
 
 
-def test_source_ids_are_ignored_so_duplicated_ones_cannot_merge_or_split_questions(tmp_path):
+def test_source_ids_are_ignored_so_duplicated_ones_cannot_merge_or_split_questions(tmp_path, tiny_tokenizer):
     rows = [
         {"id": "same", "prompt": "count to 3"},
         {"id": "same", "prompt": "spell dog"},  # the source reuses an id for other content
         {"id": "other", "prompt": "count to 3"},  # and gives the same content another id
     ]
-    summary = q.run(settings(write_jsonl(tmp_path / "in.jsonl", rows), heldout=0, shards=1), tmp_path / "out")
+    summary = q.run(
+        settings(write_jsonl(tmp_path / "in.jsonl", rows), tiny_tokenizer, heldout=0, shards=1), tmp_path / "out"
+    )
     assert summary["questions"] == 2 and summary["duplicates"] == 1
     kept = read_jsonl(tmp_path / "out" / "shard_0.jsonl")
     assert sorted(r["messages"][0]["content"] for r in kept) == ["count to 3", "spell dog"]
     assert len({r["id"] for r in kept}) == 2 and "same" not in {r["id"] for r in kept}
+
+
+SAMPLE = Path(__file__).parent / "data" / "sharegpt_sample.json"
+
+
+def test_a_sharegpt_file_as_shipped_keeps_what_fits_and_counts_every_bad_row_with_its_reason(tmp_path, tiny_tokenizer):
+    """ShareGPT's layout with each kind of row real data holds: an over-long prompt, an
+    assistant-first conversation, an empty first turn and a record cut off by the file's end."""
+    summary = q.run(settings(SAMPLE, tiny_tokenizer, heldout=1), tmp_path / "out")
+    too_long = "prompt over 448 tokens (no room for generation.max_tokens 64 in server.max_model_len 512)"
+    assert summary["bad_rows_by_reason"] == {
+        "starts with an assistant turn": 1,
+        "empty first user turn": 1,
+        too_long: 1,
+        "file ends inside a record (cut off)": 1,
+    }
+    assert (summary["rows_read"], summary["questions"], summary["too_long"]) == (8, 4, 1)
+    assert summary["max_prompt_tokens"] == 448
+    kept = [m["content"] for r in read_jsonl(tmp_path / "out" / "heldout.jsonl") for m in r["messages"]]
+    kept += [
+        m["content"] for i in range(2) for r in read_jsonl(tmp_path / "out" / f"shard_{i}.jsonl") for m in r["messages"]
+    ]
+    assert "You are terse." in kept and not any(text.startswith("Please summarise") for text in kept)
+    # A limit the user names lowers it further, and is the reason counted.
+    summary = q.run(settings(SAMPLE, tiny_tokenizer, heldout=1, max_prompt_tokens=11), tmp_path / "low")
+    assert summary["bad_rows_by_reason"]["prompt over questions.max_prompt_tokens 11"] == summary["too_long"] == 2
+    assert (summary["max_prompt_tokens"], summary["questions"]) == (11, 3)
+
+
+def test_the_limit_counts_questions_that_fit(tmp_path, tiny_tokenizer):
+    """questions.limit is on usable questions: one dropped as too long does not use up the limit."""
+    long_first = [{"prompt": "word " * 500}] + [{"prompt": f"question {n}"} for n in range(4)]
+    summary = q.run(
+        settings(write_jsonl(tmp_path / "in.jsonl", long_first), tiny_tokenizer, limit=3, heldout=1), tmp_path / "o"
+    )
+    assert (summary["questions"], summary["too_long"], summary["rows_read"]) == (3, 1, 4)

@@ -6,7 +6,12 @@ names another field that holds the question (GSM8K's ``question``). A set may na
 ``category_field``: its value splits the set's results (chat, code, math...). The held-out
 split is always the set ``heldout``, with no categories.
 
-Output: one JSONL file, one prompt per line: ``{"set", "category", "id", "messages"}``.
+Every prompt must leave room for ``evaluation.max_tokens`` in the server's context
+(``prompt_length.py``): those that do not are dropped here and counted, so no measurement
+asks what the server would refuse after its load.
+
+Outputs: one JSONL file, one prompt per line: ``{"set", "category", "id", "messages"}``; and
+a summary per set (rows read, duplicates, dropped by reason, prompts by category).
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.errors import DraftsmithError
 from draftsmith.progress import log
-from draftsmith.questions import collect_questions, read_rows
+from draftsmith.prompt_length import PromptLimit, prompt_limit
+from draftsmith.questions import TOO_LONG, collect_questions, read_rows
 from draftsmith.run_config import EvaluationSetSettings, RunConfig
 
 HELDOUT = "heldout"
 NO_CATEGORY = "all"
 WHOLE_SET = "*"  # the category of a result row that covers its whole set
+SetCounts = dict[str, Any]  # rows read, duplicates, dropped by reason; then prompts, by category
 
 
 class EvaluationSetError(DraftsmithError):
@@ -48,14 +55,17 @@ def _category(row: dict[str, Any], field: str | None) -> str:
     return NO_CATEGORY if value in (None, "") else str(value)
 
 
-def set_prompts(name: str, spec: EvaluationSetSettings) -> list[dict[str, Any]]:
-    """The prompts of one configured set, deduplicated, with their categories."""
+def set_prompts(
+    name: str, spec: EvaluationSetSettings, fitting: PromptLimit | None = None
+) -> tuple[list[dict[str, Any]], SetCounts]:
+    """The prompts of one configured set that fit the context, deduplicated, with their
+    categories; and what was dropped, by reason."""
     rows: list[Any] = []
     try:
         source = read_rows(spec.source, spec.split, spec.subset)
         if spec.prompt_field:  # benchmark sets keep the question under their own name
             source = (_as_prompt(row, spec.prompt_field) for row in source)
-        questions, counts = collect_questions(source, spec.limit, kept_rows=rows)
+        questions, counts = collect_questions(source, spec.limit, kept_rows=rows, prompt_limit=fitting)
     except DraftsmithError as error:
         raise EvaluationSetError(f"evaluation.sets.{name}: {error}") from error
     field = spec.category_field
@@ -63,33 +73,51 @@ def set_prompts(name: str, spec: EvaluationSetSettings) -> list[dict[str, Any]]:
         {"set": name, "category": _category(row, field), **json.loads(question.to_json())}
         for question, row in zip(questions, rows, strict=True)
     ]
+    dropped = {k.removeprefix("bad: "): n for k, n in counts.items() if k.startswith("bad: ")}
     if not prompts:
         raise EvaluationSetError(
-            f"evaluation.sets.{name} ({spec.source}) holds no usable prompt ({counts['rows']} rows read); "
-            "rows need messages, conversations or prompt with a user turn"
+            f"evaluation.sets.{name} ({spec.source}) holds no usable prompt ({counts['rows']} rows read, "
+            f"{counts[TOO_LONG]} too long); rows need messages, conversations or prompt with a user turn "
+            "that fits the context"
         )
-    return prompts
+    return prompts, {"rows_read": counts["rows"], "duplicates": counts["duplicates"], "dropped": dropped}
 
 
-def heldout_prompts(path: Path, limit: int | None) -> list[dict[str, Any]]:
-    prompts = [{"set": HELDOUT, "category": NO_CATEGORY, **row} for row in read_prompts(path)]
-    if not prompts:
+def heldout_prompts(path: Path, limit: int | None, fitting: PromptLimit) -> tuple[list[dict[str, Any]], SetCounts]:
+    """The held-out questions that fit the context at evaluation.max_tokens (the questions
+    stage kept those that fit at generation.max_tokens), the first ``limit`` of them."""
+    rows = read_prompts(path)
+    if not rows:
         raise EvaluationSetError(f"{path} holds no held-out questions; set questions.heldout ≥ 1")
-    return prompts[:limit] if limit else prompts
+    prompts = [{"set": HELDOUT, "category": NO_CATEGORY, **row} for row in rows if fitting.fits(row["messages"])]
+    dropped = {fitting.reason: len(rows) - len(prompts)} if len(prompts) < len(rows) else {}
+    if not prompts:
+        raise EvaluationSetError(
+            f"none of the {len(rows)} held-out questions fits: {fitting.reason}; "
+            "lower evaluation.max_tokens or raise server.max_model_len"
+        )
+    return (prompts[:limit] if limit else prompts), {"rows_read": len(rows), "duplicates": 0, "dropped": dropped}
 
 
-def run(settings: RunConfig, heldout: Path, output: Path) -> dict[str, Counter[str]]:
+def run(settings: RunConfig, heldout: Path, output: Path, summary: Path) -> dict[str, Counter[str]]:
     evaluation = settings.evaluation
-    prompts = heldout_prompts(heldout, evaluation.limit)
+    fitting = prompt_limit(settings, "evaluation.max_tokens")
+    prompts, held_out_counts = heldout_prompts(heldout, evaluation.limit, fitting)
+    counts = {HELDOUT: held_out_counts}
     for name, spec in evaluation.sets.items():
-        prompts += set_prompts(name, spec)
+        kept, counts[name] = set_prompts(name, spec, fitting)
+        prompts += kept
     atomic_write_text(output, "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in prompts))
     sizes: dict[str, Counter[str]] = {}
     for prompt in prompts:
         sizes.setdefault(prompt["set"], Counter())[prompt["category"]] += 1
-    for name, counts in sizes.items():
-        detail = ", ".join(f"{category} {n}" for category, n in sorted(counts.items()))
-        log(f"set {name}: {sum(counts.values())} prompts ({detail})")
+    for name, by_category in sizes.items():
+        detail = ", ".join(f"{category} {n}" for category, n in sorted(by_category.items()))
+        dropped = "".join(f"; dropped {n}: {reason}" for reason, n in counts[name]["dropped"].items())
+        log(f"set {name}: {sum(by_category.values())} prompts ({detail}){dropped}")
+        counts[name] |= {"prompts": sum(by_category.values()), "by_category": dict(sorted(by_category.items()))}
+    record = {"max_prompt_tokens": fitting.max_tokens, "sets": counts}
+    atomic_write_text(summary, json.dumps(record, indent=2, ensure_ascii=False) + "\n")
     return sizes
 
 
@@ -98,8 +126,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--settings", required=True, help=SETTINGS_HELP)
     parser.add_argument("--heldout", required=True, type=Path)
     parser.add_argument("--output", required=True, type=Path)
+    parser.add_argument("--summary", required=True, type=Path)
     args = parser.parse_args(argv)
-    run(read_settings(args.settings, "evaluation_sets"), args.heldout, args.output)
+    run(read_settings(args.settings, "evaluation_sets"), args.heldout, args.output, args.summary)
 
 
 if __name__ == "__main__":

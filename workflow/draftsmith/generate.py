@@ -31,15 +31,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
-
-from transformers import AutoTokenizer
+from typing import Any
 
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.client import SPECULATORS_CLIENT, chat_poster, open_session
 from draftsmith.layout import GENERATION_RECORDS, SUMMARY
 from draftsmith.progress import Progress, log
+from draftsmith.prompt_length import PromptMeter
 from draftsmith.run_config import RunConfig
 from draftsmith.server import Endpoint, ServerSpec
 from draftsmith.server_stage import RequestPolicy, ServerStage, StageError
@@ -224,17 +223,9 @@ def overlong_prompts(settings: RunConfig, questions: list[dict[str, Any]]) -> di
     context is not ours to know, so it is not checked."""
     if not questions or settings.generation.endpoint is not None:
         return {}  # nothing to ask (a finished shard loads no tokenizer), or nothing to check
-    limit, target = settings.server.max_model_len, settings.target
-    tokenizer = AutoTokenizer.from_pretrained(target.model, trust_remote_code=target.trust_remote_code)
-    lengths = {}
-    for question in questions:
-        encoded = tokenizer.apply_chat_template(
-            question["messages"], add_generation_prompt=True, tokenize=True, return_dict=True
-        )
-        prompt = cast(dict[str, list[int]], encoded)["input_ids"]
-        if len(prompt) >= limit:
-            lengths[question["id"]] = len(prompt)
-    return lengths
+    meter = PromptMeter(settings.target.model, settings.target.trust_remote_code)
+    lengths = {question["id"]: meter.tokens(question["messages"]) for question in questions}
+    return {question: n for question, n in lengths.items() if n >= settings.server.max_model_len}
 
 
 def run(

@@ -159,6 +159,10 @@ class Layout:
         return self.evaluation / "prompts.jsonl"
 
     @property
+    def evaluation_sets_summary(self) -> Path:
+        return self.evaluation / "sets.json"
+
+    @property
     def baseline_measurement(self) -> Path:
         return self.evaluation / "baseline.json"
 

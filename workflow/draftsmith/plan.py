@@ -54,7 +54,9 @@ def _question_counts(settings: RunConfig, results: Path) -> tuple[int, int, str]
     summary = Layout(results).questions_summary
     if summary.exists():
         data = json.loads(summary.read_text())
-        return data["train"], data["heldout"], "questions stage"
+        too_long = data.get("too_long", 0)  # a summary written before prompts were measured has none
+        dropped = f"; {too_long:,} dropped: prompt over {data['max_prompt_tokens']:,} tokens" if too_long else ""
+        return data["train"], data["heldout"], f"questions stage{dropped}"
     section = settings.questions
     total = section.limit
     source = Path(section.source)

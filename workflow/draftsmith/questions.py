@@ -5,8 +5,12 @@ files whose rows hold ``messages`` (role/content), ``conversations`` (from/value
 plain ``prompt``. The prompt is every system turn plus the first user turn before the
 first assistant reply; the target model writes the answer later.
 
+Each prompt is measured in the target's tokens: one that leaves no room for its answer
+(``prompt_length.py``) is dropped here, counted as a bad row with its reason, so no later
+stage asks a server what it would refuse.
+
 Outputs: ``shard_<i>.jsonl`` training shards, ``heldout.jsonl`` for evaluation and
-``summary.json`` with the counts (bad rows by reason, duplicates, kept).
+``summary.json`` with the counts (bad rows by reason, duplicates, too long, kept).
 """
 
 from __future__ import annotations
@@ -26,10 +30,12 @@ from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.errors import DraftsmithError
 from draftsmith.layout import SUMMARY, heldout_file, shard_file
 from draftsmith.progress import log
+from draftsmith.prompt_length import PromptLimit, prompt_limit
 from draftsmith.run_config import RunConfig
 
 LOCAL_SUFFIXES = {".jsonl", ".json", ".parquet"}
 USER_ROLES = {"user", "human"}
+TOO_LONG = "too long"  # the count of prompts over the limit (also a bad row with its reason)
 ASSISTANT_ROLES = {"assistant", "gpt", "model", "bot"}
 
 
@@ -42,9 +48,11 @@ class Question:
     id: str
     messages: tuple[tuple[str, str], ...]  # (role, content), roles: system | user
 
+    def chat(self) -> list[dict[str, str]]:
+        return [{"role": role, "content": content} for role, content in self.messages]
+
     def to_json(self) -> str:
-        messages = [{"role": role, "content": content} for role, content in self.messages]
-        return json.dumps({"id": self.id, "messages": messages}, ensure_ascii=False)
+        return json.dumps({"id": self.id, "messages": self.chat()}, ensure_ascii=False)
 
 
 class BadRow(ValueError):
@@ -202,10 +210,15 @@ def first_row_problem(source: str, split: str = "train", subset: str | None = No
 
 
 def collect_questions(
-    rows: Iterable[Any], limit: int | None, kept_rows: list[Any] | None = None
+    rows: Iterable[Any],
+    limit: int | None,
+    kept_rows: list[Any] | None = None,
+    prompt_limit: PromptLimit | None = None,
 ) -> tuple[list[Question], Counter[str]]:
     """Deduplicated questions in source order, and counts of what was dropped and why.
-    ``kept_rows``, if given, receives the source row of each question (its other fields)."""
+    ``kept_rows``, if given, receives the source row of each question (its other fields).
+    A prompt longer than ``prompt_limit`` is a bad row with the limit's reason, counted
+    before ``limit``: the limit is on questions that can be answered."""
     counts: Counter[str] = Counter[str]()
     seen: set[str] = set()
     questions: list[Question] = []
@@ -223,7 +236,12 @@ def collect_questions(
             counts["duplicates"] += 1
             continue
         seen.add(digest)
-        questions.append(Question(f"q{digest[:16]}", messages))
+        question = Question(f"q{digest[:16]}", messages)
+        if prompt_limit is not None and not prompt_limit.fits(question.chat()):
+            counts[f"bad: {prompt_limit.reason}"] += 1
+            counts[TOO_LONG] += 1
+            continue
+        questions.append(question)
         if kept_rows is not None:
             kept_rows.append(row)
         if limit is not None and len(questions) >= limit:
@@ -261,14 +279,16 @@ def write_jsonl(path: Path, questions: list[Question]) -> None:
 def run(settings: RunConfig, output_dir: Path) -> dict[str, Any]:
     section = settings.questions
     rows = read_rows(section.source, section.split, section.subset)
-    questions, counts = collect_questions(rows, section.limit)
+    fitting = prompt_limit(settings, "generation.max_tokens")
+    questions, counts = collect_questions(rows, section.limit, prompt_limit=fitting)
     bad = {reason: n for reason, n in counts.items() if reason.startswith("bad: ")}
     for reason, n in sorted(bad.items()):
         log(f"skipped {n} row(s): {reason.removeprefix('bad: ')}")
     if not questions:
         raise QuestionsError(
             f"no usable questions in {section.source} ({counts['rows']} rows read, "
-            f"{sum(bad.values())} bad); rows need messages, conversations or prompt with a user turn"
+            f"{sum(bad.values())} bad, {counts[TOO_LONG]} of them {fitting.reason}); rows need messages, "
+            "conversations or prompt with a user turn that fits the context"
         )
     shards, heldout = split_questions(questions, section.heldout, section.shards, section.seed)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -281,6 +301,8 @@ def run(settings: RunConfig, output_dir: Path) -> dict[str, Any]:
         "bad_rows": sum(bad.values()),
         "bad_rows_by_reason": {k.removeprefix("bad: "): v for k, v in bad.items()},
         "duplicates": counts["duplicates"],
+        "max_prompt_tokens": fitting.max_tokens,
+        "too_long": counts[TOO_LONG],
         "questions": len(questions),
         "train": sum(len(s) for s in shards),
         "heldout": len(heldout),
@@ -289,7 +311,7 @@ def run(settings: RunConfig, output_dir: Path) -> dict[str, Any]:
     atomic_write_text(output_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
     log(
         f"{summary['questions']} questions from {summary['rows_read']} rows "
-        f"({summary['duplicates']} duplicates, {summary['bad_rows']} bad): "
+        f"({summary['duplicates']} duplicates, {summary['bad_rows']} bad, {summary['too_long']} of them too long): "
         f"{summary['train']} train in {len(shards)} shard(s), {summary['heldout']} held out"
     )
     return summary

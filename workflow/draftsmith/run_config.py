@@ -142,6 +142,7 @@ class QuestionsSettings(Section):
     heldout: int
     shards: int
     seed: int
+    max_prompt_tokens: int | None
 
 
 @dataclass(frozen=True, eq=False, repr=False)

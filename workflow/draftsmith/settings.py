@@ -205,11 +205,13 @@ SERVER_NUMERICS = ("server.extra_args[numerics]", "server.env[numerics]")
 SERVER_OTHER = ("server.extra_args[other]", "server.env[other]")
 # Rules that take the demo target as an input when the workflow builds it.
 TARGET_READERS = (
+    "questions",
     "generate",
     "dataset",
     "extract",
     "train",
     "untrained_drafter",
+    "evaluation_sets",
     "evaluate_baseline",
     "evaluate_drafter",
     "evaluate_untrained",
@@ -270,7 +272,14 @@ STAGES: dict[str, Stage] = {
             "questions.heldout",
             "questions.shards",
             "questions.seed",
-        )
+            # What fits: prompts that leave no room for the answer are dropped here.
+            "questions.max_prompt_tokens",
+            "target.model",
+            "generation.max_tokens",
+            "server.max_model_len",
+        ),
+        extent=("target.build_demo",),
+        operational=("target.trust_remote_code",),
     ),
     # Answers are samples of the target: the engine that drew them (TP, device, vLLM
     # release) does not make a finished answer wrong, so only what the sample means counts.
@@ -354,7 +363,17 @@ STAGES: dict[str, Stage] = {
         ),
         software=("speculators", "torch", "transformers"),
     ),
-    "evaluation_sets": Stage(shaping=("evaluation.sets", "evaluation.limit")),
+    "evaluation_sets": Stage(
+        shaping=(
+            "evaluation.sets",
+            "evaluation.limit",
+            "target.model",
+            "evaluation.max_tokens",
+            "server.max_model_len",
+        ),
+        extent=("target.build_demo",),
+        operational=("target.trust_remote_code",),
+    ),
     # The evaluation measures throughput too, and every server option can move that. The
     # draft length is the drafter job's wildcard: a new length is a new job, the others stay.
     "evaluate_baseline": Stage(

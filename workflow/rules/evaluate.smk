@@ -1,10 +1,13 @@
-# The prompts: the held-out split and every set of evaluation.sets, read once.
+# The prompts: the held-out split and every set of evaluation.sets, read once; those that
+# leave no room for evaluation.max_tokens are dropped and counted (eval/sets.json).
 rule evaluation_sets:
     input:
         heldout=path(LAYOUT.heldout),
         sources=evaluation_set_inputs(),
+        model=target_model_input(),
     output:
-        path(LAYOUT.evaluation_prompts),
+        prompts=path(LAYOUT.evaluation_prompts),
+        summary=path(LAYOUT.evaluation_sets_summary),
     log:
         log_path("evaluate/sets"),
     localrule: True
@@ -15,7 +18,8 @@ rule evaluation_sets:
         config=RUN_CONFIG,
     shell:
         "python -m draftsmith.evaluation_sets --settings {params.config:q}"
-        " --heldout {input.heldout:q} --output {output:q} > {log:q} 2>&1"
+        " --heldout {input.heldout:q} --output {output.prompts:q}"
+        " --summary {output.summary:q} > {log:q} 2>&1"
 
 
 # The target alone, once: every set, concurrency and sampling on one server.

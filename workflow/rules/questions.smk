@@ -1,6 +1,7 @@
 rule questions:
     input:
-        questions_source_input(),
+        source=questions_source_input(),
+        model=target_model_input(),  # prompts are measured in its tokens
     output:
         shards=[path(LAYOUT.question_shard(shard)) for shard in QUESTION_SHARDS],
         heldout=path(LAYOUT.heldout),

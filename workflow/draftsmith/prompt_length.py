@@ -1,0 +1,68 @@
+"""Prompt lengths in the target's tokens (chat template included), and which prompts fit.
+
+A prompt fits when it leaves room for its answer: ``prompt + max_tokens <= server.max_model_len``.
+vLLM refuses a prompt that fills the context only once the model has loaded (an hour for a
+large target), and silently shortens the answer of one that leaves too little room; the
+tokenizer tells both in seconds. So prompts are measured where they enter, and those that do
+not fit are dropped and counted there: the questions stage at ``generation.max_tokens`` (or
+the lower ``questions.max_prompt_tokens``), the evaluation sets and the held-out split at
+``evaluation.max_tokens``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import cast
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from draftsmith.run_config import RunConfig
+
+Messages = Iterable[Mapping[str, str]]
+
+
+class PromptMeter:
+    """Counts a conversation's prompt tokens as the server will: the target's chat template
+    with the generation prompt appended."""
+
+    def __init__(self, model: str, trust_remote_code: bool = False) -> None:
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+            model, trust_remote_code=trust_remote_code
+        )
+        # Only counted, never fed to a model: no "longer than the maximum" warning per long prompt.
+        self.tokenizer.model_max_length = sys.maxsize
+
+    def tokens(self, messages: Messages) -> int:
+        encoded = self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        return len(cast(dict[str, list[int]], encoded)["input_ids"])
+
+
+@dataclass(frozen=True)
+class PromptLimit:
+    """The longest prompt a stage keeps, and the reason its summary counts the others under."""
+
+    meter: PromptMeter
+    max_tokens: int
+    reason: str
+
+    def fits(self, messages: Messages) -> bool:
+        return self.meter.tokens(messages) <= self.max_tokens
+
+
+def prompt_limit(settings: RunConfig, answer_key: str, meter: PromptMeter | None = None) -> PromptLimit:
+    """The limit for prompts answered with up to ``answer_key`` tokens (``generation.max_tokens``
+    or ``evaluation.max_tokens``); ``questions.max_prompt_tokens`` lowers it for training."""
+    section, key = answer_key.split(".")
+    answer = getattr(getattr(settings, section), key)
+    context = settings.server.max_model_len
+    limit = context - answer
+    reason = f"prompt over {limit} tokens (no room for {answer_key} {answer} in server.max_model_len {context})"
+    named = settings.questions.max_prompt_tokens if section == "generation" else None
+    if named is not None and named < limit:
+        limit, reason = named, f"prompt over questions.max_prompt_tokens {named}"
+    target = settings.target
+    return PromptLimit(meter or PromptMeter(target.model, target.trust_remote_code), limit, reason)
