@@ -73,6 +73,7 @@ def uninterrupted_question_ids(workdir: Path, scratch: Path) -> list[str]:
     config = yaml.safe_load((workdir / "config/config.yaml").read_text())
     validate(config, str(workdir / "workflow/schemas/config.schema.yaml"))
     config["questions"]["source"] = str(workdir / config["questions"]["source"])
+    config["target"]["model"] = str(workdir / config["target"]["model"])  # its tokenizer measures the prompts
     questions.run(RunConfig.from_dict(config), scratch / "questions")
     return sorted(
         json.loads(line)["id"]
