@@ -194,6 +194,23 @@ def test_every_stage_that_sizes_the_stored_rows_sees_the_disk_budget(rule):
         assert RunConfig.from_dict(view).hidden_states.limited_budget == 10**6
 
 
+def test_a_named_prompt_limit_keeps_the_questions_when_the_answers_get_shorter_or_the_context_longer():
+    """The questions stage tracks the limit it applies, not its parts: under a named
+    questions.max_prompt_tokens, a change that leaves the limit where it was re-runs no question."""
+    base = demo_config()
+    base["questions"]["max_prompt_tokens"] = 300  # below the room: 512 - 64
+    # (A longer context also moves the evaluation's limit: its sets are re-read.)
+    for key, value in (("generation.max_tokens", 48), ("server.max_model_len", 1024)):
+        changed = yaml.safe_load(yaml.safe_dump(base))
+        section, leaf = key.split(".")
+        changed[section][leaf] = value
+        found = settings.reruns_between(base, changed)
+        assert "questions" not in found and "plan_snapshot" in found, (key, sorted(found))
+    changed = yaml.safe_load(yaml.safe_dump(base))
+    changed["generation"]["max_tokens"] = 400  # now the room (112) is below the named limit
+    assert "questions" in settings.reruns_between(base, changed)
+
+
 @pytest.mark.parametrize(
     ("key", "value", "reruns", "stays"),
     [

@@ -403,8 +403,11 @@ def test_on_cpu_the_trainer_orthogonalizes_in_fp32(monkeypatch):
         monkeypatch.setattr(owner, name, getattr(owner, name))  # restored after the test
     monkeypatch.setattr(torch.accelerator, "synchronize", torch.accelerator.synchronize)
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    installed = []  # cpu_speedups' patches are tested in test_cpu_speedups.py; not left installed here
+    monkeypatch.setattr(speculators_cpu, "faster_attention_and_loss", lambda: installed.append(True))
     assert speculators_cpu.apply() is True
     assert _muon._zeropower_via_newtonschulz is speculators_cpu.newton_schulz_fp32
+    assert installed == [True]
 
 
 @pytest.mark.parametrize("shape", [(96, 32), (32, 96)])

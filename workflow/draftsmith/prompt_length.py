@@ -54,15 +54,16 @@ class PromptLimit:
 
 
 def prompt_limit(settings: RunConfig, answer_key: str, meter: PromptMeter | None = None) -> PromptLimit:
-    """The limit for prompts answered with up to ``answer_key`` tokens (``generation.max_tokens``
-    or ``evaluation.max_tokens``); ``questions.max_prompt_tokens`` lowers it for training."""
-    section, key = answer_key.split(".")
-    answer = getattr(getattr(settings, section), key)
+    """The limit for prompts answered with up to ``answer_key`` tokens: ``generation.max_tokens``
+    (the questions stage, where ``questions.max_prompt_tokens`` may lower it) or
+    ``evaluation.max_tokens`` (the evaluation sets)."""
+    training = answer_key == "generation.max_tokens"
+    limit = settings.question_prompt_limit if training else settings.evaluation_prompt_limit
+    answer = settings.generation.max_tokens if training else settings.evaluation.max_tokens
     context = settings.server.max_model_len
-    limit = context - answer
-    reason = f"prompt over {limit} tokens (no room for {answer_key} {answer} in server.max_model_len {context})"
-    named = settings.questions.max_prompt_tokens if section == "generation" else None
-    if named is not None and named < limit:
-        limit, reason = named, f"prompt over questions.max_prompt_tokens {named}"
+    if limit < context - answer:
+        reason = f"prompt over questions.max_prompt_tokens {limit}"
+    else:
+        reason = f"prompt over {limit} tokens (no room for {answer_key} {answer} in server.max_model_len {context})"
     target = settings.target
     return PromptLimit(meter or PromptMeter(target.model, target.trust_remote_code), limit, reason)

@@ -294,6 +294,20 @@ class RunConfig(Section):
         greedy: list[dict[str, Any]] = [{"temperature": 0.0}]
         return greedy + [dict(self.generation.sampling)] if self.evaluation.sampled else greedy
 
+    @property
+    def question_prompt_limit(self) -> int:
+        """The longest prompt (in the target's tokens) the questions stage keeps: room for
+        ``generation.max_tokens`` in ``server.max_model_len``, or ``questions.max_prompt_tokens``
+        where that is lower."""
+        room = self.server.max_model_len - self.generation.max_tokens
+        named = self.questions.max_prompt_tokens
+        return room if named is None else min(room, named)
+
+    @property
+    def evaluation_prompt_limit(self) -> int:
+        """The longest prompt the evaluation asks: room for ``evaluation.max_tokens``."""
+        return self.server.max_model_len - self.evaluation.max_tokens
+
 
 def field_keys(cls: type[Section] = RunConfig, prefix: str = "") -> list[str]:
     """Every settable key, dotted, in field order (a section's fields under its name)."""

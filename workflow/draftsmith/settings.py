@@ -133,6 +133,15 @@ DERIVED = {
         lambda c: {k: v for k, v in sorted(typed(c).server.env.items()) if _operational_env(k)},
     ),
     "trainer_processes": (("device", "gpu_slot"), lambda c: typed(c).trainer_processes),
+    # The prompt limits, not their parts: a change that leaves a limit where it was re-runs nothing.
+    "questions.prompt_token_limit": (
+        ("server.max_model_len", "generation.max_tokens", "questions.max_prompt_tokens"),
+        lambda c: typed(c).question_prompt_limit,
+    ),
+    "evaluation.prompt_token_limit": (
+        ("server.max_model_len", "evaluation.max_tokens"),
+        lambda c: typed(c).evaluation_prompt_limit,
+    ),
     "evaluation.samplings": (
         ("evaluation.sampled", "generation.sampling"),
         lambda c: typed(c).evaluation_samplings,
@@ -273,10 +282,8 @@ STAGES: dict[str, Stage] = {
             "questions.shards",
             "questions.seed",
             # What fits: prompts that leave no room for the answer are dropped here.
-            "questions.max_prompt_tokens",
             "target.model",
-            "generation.max_tokens",
-            "server.max_model_len",
+            "questions.prompt_token_limit",
         ),
         extent=("target.build_demo",),
         operational=("target.trust_remote_code",),
@@ -368,8 +375,7 @@ STAGES: dict[str, Stage] = {
             "evaluation.sets",
             "evaluation.limit",
             "target.model",
-            "evaluation.max_tokens",
-            "server.max_model_len",
+            "evaluation.prompt_token_limit",
         ),
         extent=("target.build_demo",),
         operational=("target.trust_remote_code",),
