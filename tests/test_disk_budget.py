@@ -42,6 +42,7 @@ def test_an_fp8_row_costs_a_byte_per_value_and_a_scale_per_token():
     budget = sum(row_bytes(t, 4, 7168) for t in tokens[:40])
     assert stored_rows(tokens, budget, 4, 7168) == 40
     assert stored_rows(tokens, budget, 4, 7168, fp8=True) == 79  # about twice the rows
+    assert stored_rows(tokens, budget, 4, 7168, value_bytes=4) == 20  # served in fp32: half
 
 
 def test_leading_rows_are_stored_while_they_fit():

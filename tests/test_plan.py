@@ -151,3 +151,16 @@ def test_fp8_storage_plans_about_half_the_bytes_with_its_scales(tmp_path):
     tokens = fp8["training_tokens"]
     assert fp8["hidden_state_bytes"] == tokens * (4 * 7168 + 4) == served["hidden_state_bytes"] // 2 + tokens * 4
     assert "x 1 B (fp8) + 4 B scale" in format_plan(fp8)
+
+
+def test_a_target_served_in_fp32_stores_four_bytes_a_value(tmp_path):
+    """vLLM writes hidden states in the dtype it serves: --dtype float32 (the CPU configs'
+    choice without native bf16) doubles the bytes the plan and the disk budget count."""
+    settings = kimi_settings(tmp_path)
+    bf16 = plan_for(RunConfig.from_dict(settings), tmp_path / "results")
+    settings["server"]["extra_args"] = ["--dtype", "float32"]
+    fp32 = plan_for(RunConfig.from_dict(settings), tmp_path / "results")
+    assert fp32["hidden_state_bytes"] == 2 * bf16["hidden_state_bytes"] == fp32["training_tokens"] * 4 * 7168 * 4
+    assert "tokens x 4 layers x 7168 x 4 B" in format_plan(fp32)
+    settings["server"]["extra_args"] = ["--dtype=bfloat16"]
+    assert plan_for(RunConfig.from_dict(settings), tmp_path / "results")["bytes_per_value"] == 2

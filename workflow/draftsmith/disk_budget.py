@@ -9,10 +9,11 @@ the trainer reaches it (speculators' own online path), in every epoch. So:
 - ``0``: nothing stored, no extraction stage, every row captured in every epoch (online);
 - anything between: the first rows that fit stored, the rest captured (budget).
 
-A stored row costs its tokens x (stored layers x hidden size x 2 B of bf16 states + 8 B
-of token id) plus the safetensors header: ``row_bytes``, within a few hundred bytes of
-the file vLLM writes. With ``hidden_states.stored_dtype: fp8`` a value takes 1 B and each
-token adds its 4 B float32 scale (hs_connectors' per-token fp8 format).
+A stored row costs its tokens x (stored layers x hidden size x 2 B of bf16 states, 4 B
+where the target is served in fp32, + 8 B of token id) plus the safetensors header:
+``row_bytes``, within a few hundred bytes of the file vLLM writes. With
+``hidden_states.stored_dtype: fp8`` a value takes 1 B and each token adds its 4 B float32
+scale (hs_connectors' per-token fp8 format).
 """
 
 from __future__ import annotations
@@ -21,11 +22,17 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from draftsmith.errors import DraftsmithError
 
+if TYPE_CHECKING:  # run_config reads budgets with this module
+    from draftsmith.run_config import RunConfig
+
 ALL = "all"
 BYTES_PER_VALUE = 2  # bf16, as vLLM writes the hidden states
+FP32_BYTES_PER_VALUE = 4  # where the target is served in fp32 (--dtype float32, as on a CPU without bf16)
+FP32_NAMES = ("float32", "float")
 FP8_BYTES_PER_VALUE = 1
 FP8_SCALE_BYTES = 4  # one float32 scale per token
 TOKEN_ID_BYTES = 8  # int64 token ids beside the states
@@ -61,27 +68,43 @@ def parse_budget(value: int | str) -> int | None:
     return int(float(match.group(1)) * UNITS[unit])
 
 
-def state_bytes_per_token(stored_layers: int, hidden_size: int, fp8: bool = False) -> int:
-    """The hidden states of one token as stored: bf16 values, or fp8 values and their scale."""
+def served_value_bytes(settings: RunConfig) -> int:
+    """Bytes of one stored value: vLLM writes the hidden states in the dtype it serves, which
+    is fp32 only where ``server.extra_args`` asks for it (it serves an fp32 checkpoint in
+    bf16 otherwise: extract.serving_dtype)."""
+    return FP32_BYTES_PER_VALUE if settings.server.requested_dtype in FP32_NAMES else BYTES_PER_VALUE
+
+
+def state_bytes_per_token(
+    stored_layers: int, hidden_size: int, fp8: bool = False, value_bytes: int = BYTES_PER_VALUE
+) -> int:
+    """The hidden states of one token as stored: served values, or fp8 values and their scale."""
     if fp8:
         return stored_layers * hidden_size * FP8_BYTES_PER_VALUE + FP8_SCALE_BYTES
-    return stored_layers * hidden_size * BYTES_PER_VALUE
+    return stored_layers * hidden_size * value_bytes
 
 
-def row_bytes(tokens: int, stored_layers: int, hidden_size: int, fp8: bool = False) -> int:
+def row_bytes(
+    tokens: int, stored_layers: int, hidden_size: int, fp8: bool = False, value_bytes: int = BYTES_PER_VALUE
+) -> int:
     header = FP8_HEADER_BYTES if fp8 else HEADER_BYTES
-    return tokens * (state_bytes_per_token(stored_layers, hidden_size, fp8) + TOKEN_ID_BYTES) + header
+    return tokens * (state_bytes_per_token(stored_layers, hidden_size, fp8, value_bytes) + TOKEN_ID_BYTES) + header
 
 
 def stored_rows(
-    row_tokens: Sequence[int], budget: int | None, stored_layers: int, hidden_size: int, fp8: bool = False
+    row_tokens: Sequence[int],
+    budget: int | None,
+    stored_layers: int,
+    hidden_size: int,
+    fp8: bool = False,
+    value_bytes: int = BYTES_PER_VALUE,
 ) -> int:
     """How many leading rows fit the budget (all of them for None)."""
     if budget is None:
         return len(row_tokens)
     used = 0
     for row, tokens in enumerate(row_tokens):
-        used += row_bytes(tokens, stored_layers, hidden_size, fp8)
+        used += row_bytes(tokens, stored_layers, hidden_size, fp8, value_bytes)
         if used > budget:
             return row
     return len(row_tokens)
@@ -117,6 +140,13 @@ class RowSplit:
         return f"{self.stored} of {self.rows} rows stored, {self.captured} captured on demand ({self.mode})"
 
 
-def row_split(dataset: Path, budget: int | None, stored_layers: int, hidden_size: int, fp8: bool = False) -> RowSplit:
+def row_split(
+    dataset: Path,
+    budget: int | None,
+    stored_layers: int,
+    hidden_size: int,
+    fp8: bool = False,
+    value_bytes: int = BYTES_PER_VALUE,
+) -> RowSplit:
     tokens = dataset_row_tokens(dataset)
-    return RowSplit(len(tokens), stored_rows(tokens, budget, stored_layers, hidden_size, fp8))
+    return RowSplit(len(tokens), stored_rows(tokens, budget, stored_layers, hidden_size, fp8, value_bytes))

@@ -44,7 +44,7 @@ from draftsmith.layers import LayerPlan, resolve_layers
 from draftsmith.layout import HIDDEN_STATE_GLOB, hidden_state_file, hidden_state_row
 from draftsmith.progress import Progress, log
 from draftsmith.records import ShardManifest
-from draftsmith.run_config import RunConfig
+from draftsmith.run_config import RunConfig, flag_value
 from draftsmith.server import Endpoint, ServerSpec
 from draftsmith.server_stage import RequestPolicy, ServerStage, StageError, first_errors
 from draftsmith.shard_gate import BadSample, check_sample, check_shard
@@ -151,22 +151,13 @@ def load_shard(dataset_dir: Path, shard: int, num_shards: int, stored: int | Non
     return ShardRows(dataset.with_format(None), shard_range(rows, shard, num_shards))
 
 
-def _flag_value(args: Sequence[str], flag: str) -> str | None:
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith(flag + "="):
-            return arg.split("=", 1)[1]
-    return None
-
-
 def serving_dtype(config_dtype: torch.dtype | None, extra_args: Sequence[str]) -> torch.dtype:
     """The dtype vLLM will run (and store hidden states) in; it is passed as ``--dtype``.
 
     A ``--dtype`` in ``server.extra_args`` wins; otherwise the checkpoint's dtype,
     with float32 served as bfloat16 like vLLM's own ``auto`` does.
     """
-    requested = _flag_value(extra_args, "--dtype")
+    requested = flag_value(extra_args, "--dtype")
     if requested and requested != "auto":
         return getattr(torch, {"half": "float16", "float": "float32"}.get(requested, requested))
     if config_dtype in (None, torch.float32):
@@ -408,7 +399,12 @@ def run(
     stage.begin(granted_gpus, staging)
     plan, shape = target_shape(settings)
     split = row_split(
-        dataset_dir, settings.hidden_states.limited_budget, shape.num_layers_stored, shape.hidden_size, shape.fp8
+        dataset_dir,
+        settings.hidden_states.limited_budget,
+        shape.num_layers_stored,
+        shape.hidden_size,
+        shape.fp8,
+        value_bytes=shape.dtype.itemsize,
     )
     rows = load_shard(dataset_dir, shard, num_shards, split.stored)
     check_settings(settings, rows)

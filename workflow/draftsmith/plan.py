@@ -19,7 +19,7 @@ from typing import Any
 
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
-from draftsmith.disk_budget import row_bytes, state_bytes_per_token
+from draftsmith.disk_budget import row_bytes, served_value_bytes, state_bytes_per_token
 from draftsmith.errors import DraftsmithError
 from draftsmith.layout import Layout
 from draftsmith.progress import log
@@ -112,14 +112,16 @@ def plan_for(settings: RunConfig, results: Path) -> dict[str, Any]:
         tokens_basis = "upper bound"
     training_tokens = int(per_row * train)
     layers, hidden = len(settings.layers), target.hidden_size
-    fp8 = settings.hidden_states.fp8
-    hidden_bytes = training_tokens * state_bytes_per_token(layers, hidden, fp8)
+    fp8, value_bytes = settings.hidden_states.fp8, served_value_bytes(settings)
+    hidden_bytes = training_tokens * state_bytes_per_token(layers, hidden, fp8, value_bytes)
     layout = Layout(results)
     done = _done(layout)
     written_bytes = sum(p.stat().st_size for p in layout.hidden_state_files())
     external = settings.generation.endpoint is not None
     free_disk = shutil.disk_usage(existing_parent(results)).free
-    modes = storage_modes(settings, train, row_bytes(round(per_row), layers, hidden, fp8), free_disk + written_bytes)
+    modes = storage_modes(
+        settings, train, row_bytes(round(per_row), layers, hidden, fp8, value_bytes), free_disk + written_bytes
+    )
     return {
         "questions_train": train,
         "questions_heldout": heldout,
@@ -131,6 +133,7 @@ def plan_for(settings: RunConfig, results: Path) -> dict[str, Any]:
         "stored_layers": layers,
         "hidden_size": hidden,
         "stored_dtype": "fp8" if fp8 else "served",
+        "bytes_per_value": 1 if fp8 else value_bytes,
         "hidden_state_bytes": hidden_bytes,
         "hidden_state_bytes_to_write": max(hidden_bytes - written_bytes, 0),
         "free_disk_bytes": free_disk,
@@ -242,6 +245,7 @@ def storage_rows(plan: dict[str, Any]) -> list[tuple[str, str]]:
 def format_plan(plan: dict[str, Any]) -> str:
     done = plan["done"]
     loads = plan["model_loads"]
+    value = "1 B (fp8) + 4 B scale" if plan["stored_dtype"] == "fp8" else f"{plan['bytes_per_value']} B"
     rows = [
         (
             "questions (train / held out)",
@@ -253,7 +257,7 @@ def format_plan(plan: dict[str, Any]) -> str:
         (
             "hidden states",
             f"{human_bytes(plan['hidden_state_bytes'])} = tokens x {plan['stored_layers']} layers"
-            f" x {plan['hidden_size']} x " + ("1 B (fp8) + 4 B scale" if plan["stored_dtype"] == "fp8" else "2 B"),
+            f" x {plan['hidden_size']} x {value}",
         ),
         (
             "  still to write / free disk",

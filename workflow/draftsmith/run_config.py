@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Self
 
@@ -101,6 +101,16 @@ def _typed(hint: Any, value: Any) -> Any:
     return value
 
 
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of ``flag`` in a command line (``--flag v`` or ``--flag=v``), if given."""
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
 # --- the sections, in config.yaml's order --------------------------------------------------
 
 
@@ -130,6 +140,11 @@ class ServerSettings(Section):
     def gpus(self) -> int:
         """TP x DP: the GPUs one server takes."""
         return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def requested_dtype(self) -> str | None:
+        """The ``--dtype`` asked of vLLM in ``extra_args``, if any."""
+        return flag_value(self.extra_args, "--dtype")
 
 
 @dataclass(frozen=True, eq=False, repr=False)

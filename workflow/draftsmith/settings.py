@@ -264,6 +264,7 @@ PLAN_READS = (
     "gpu_slot",
     "server.tensor_parallel_size",
     "server.data_parallel_size",
+    "server.extra_args",  # --dtype float32 stores 4 B per value
     "evaluation.num_speculative_tokens",
     "evaluation.compare_untrained",
     "evaluation.free_methods",

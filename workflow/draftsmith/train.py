@@ -38,7 +38,7 @@ from datasets import load_from_disk
 from safetensors import safe_open
 
 from draftsmith.cli import SETTINGS_HELP, read_settings
-from draftsmith.disk_budget import RowSplit, row_split
+from draftsmith.disk_budget import RowSplit, row_split, served_value_bytes
 from draftsmith.drafter_publish import capture_requests, publish
 from draftsmith.errors import TrainError
 from draftsmith.layers import LayerPlan, resolve_layers
@@ -158,7 +158,12 @@ def preflight(settings: RunConfig, paths: TrainPaths) -> TrainingInputs:
     check_dataset(paths.dataset)
     hidden_states = settings.hidden_states
     split = row_split(
-        paths.dataset, hidden_states.limited_budget, len(plan.vllm_ids), target.hidden_size, hidden_states.fp8
+        paths.dataset,
+        hidden_states.limited_budget,
+        len(plan.vllm_ids),
+        target.hidden_size,
+        hidden_states.fp8,
+        value_bytes=served_value_bytes(settings),
     )
     check_hidden_states(paths, split, len(plan.vllm_ids), target.hidden_size)
     log(f"checked: {split.describe()}, aux vLLM ids {plan.aux_vllm_ids}")
