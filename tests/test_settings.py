@@ -13,6 +13,7 @@ from conftest import copy_workflow
 from snakemake.utils import validate
 
 from draftsmith import settings
+from draftsmith.disk_budget import served_value_bytes
 from draftsmith.run_config import RunConfig
 from draftsmith.settings import (
     CONSUMERS,
@@ -184,14 +185,17 @@ def test_a_stage_sees_only_what_its_rule_declares():
 @pytest.mark.parametrize("rule", ["extract", "training_view", "train", "untrained_drafter", "plan"])
 def test_every_stage_that_sizes_the_stored_rows_sees_the_disk_budget(rule):
     """The stages that read hidden_states.disk_budget (directly or through the training
-    stage's checks) get it in their view: a missing key was a KeyError only an e2e found."""
+    stage's checks) get it, and the served dtype that sizes a row, in their view: a missing
+    key was a KeyError only an e2e found."""
     config = demo_config()
     config["hidden_states"]["disk_budget"] = "1 MB"
+    config["server"]["extra_args"] = ["--dtype", "float32"]
     view = settings.stage_view(config, rule)
     if rule == "training_view":  # reads the shards' manifests, never the config
         assert "hidden_states" not in view
     else:
         assert RunConfig.from_dict(view).hidden_states.limited_budget == 10**6
+        assert served_value_bytes(RunConfig.from_dict(view)) == 4  # and the bytes of a value
 
 
 def test_a_named_prompt_limit_keeps_the_questions_when_the_answers_get_shorter_or_the_context_longer():

@@ -113,7 +113,7 @@ def settings(target: Path, **training) -> dict:
         "layers": LAYERS,
         "device": "cpu",
         "gpu_slot": 1,
-        "server": {"tensor_parallel_size": 1, "data_parallel_size": 1},
+        "server": {"tensor_parallel_size": 1, "data_parallel_size": 1, "extra_args": []},
         "hidden_states": {"disk_budget": "all", "stored_dtype": "served", "capture_memory_fraction": 0.5},
         "training": {
             "epochs": 2,

@@ -368,6 +368,7 @@ STAGES: dict[str, Stage] = {
             "training.stall_timeout_s",
             "hidden_states.disk_budget",
             "hidden_states.stored_dtype",
+            "server.extra_args[numerics]",  # --dtype: the bytes of a stored row
         ),
         software=("speculators", "torch", "transformers"),
     ),
