@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import transformers
 import yaml
 from snakemake.utils import validate
 
@@ -61,7 +62,7 @@ def test_trust_remote_code_reaches_every_consumer(kimi, tmp_path, monkeypatch):
         return load
 
     # Every stage that measures prompts loads the tokenizer: questions, the evaluation sets, generation.
-    monkeypatch.setattr(prompt_length.AutoTokenizer, "from_pretrained", loader("tokenizer"))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", loader("tokenizer"))
     for stage, answer in (("questions", "generation.max_tokens"), ("evaluation_sets", "evaluation.max_tokens")):
         with pytest.raises(RuntimeError, match="stop here"):
             prompt_length.prompt_limit(RunConfig.from_dict(stage_view(kimi, stage)), answer)

@@ -14,11 +14,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import cast
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, cast
 
 from draftsmith.run_config import RunConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Messages = Iterable[Mapping[str, str]]
 
@@ -28,6 +29,10 @@ class PromptMeter:
     with the generation prompt appended."""
 
     def __init__(self, model: str, trust_remote_code: bool = False) -> None:
+        # Imported here: the Snakefile imports the questions module, and every parse (each
+        # dry run, each SLURM job) would pay transformers' 4 s import.
+        from transformers import AutoTokenizer
+
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
             model, trust_remote_code=trust_remote_code
         )
