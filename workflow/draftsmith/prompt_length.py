@@ -58,7 +58,7 @@ class PromptLimit:
         return self.meter.tokens(messages) <= self.max_tokens
 
 
-def prompt_limit(settings: RunConfig, answer_key: str, meter: PromptMeter | None = None) -> PromptLimit:
+def prompt_limit(settings: RunConfig, answer_key: str) -> PromptLimit:
     """The limit for prompts answered with up to ``answer_key`` tokens: ``generation.max_tokens``
     (the questions stage, where ``questions.max_prompt_tokens`` may lower it) or
     ``evaluation.max_tokens`` (the evaluation sets)."""
@@ -71,4 +71,4 @@ def prompt_limit(settings: RunConfig, answer_key: str, meter: PromptMeter | None
     else:
         reason = f"prompt over {limit} tokens (no room for {answer_key} {answer} in server.max_model_len {context})"
     target = settings.target
-    return PromptLimit(meter or PromptMeter(target.model, target.trust_remote_code), limit, reason)
+    return PromptLimit(PromptMeter(target.model, target.trust_remote_code), limit, reason)
