@@ -4,7 +4,8 @@ An EAGLE-3 drafter for SmolLM2-135M-Instruct (Llama, hidden 576, vocabulary 49,1
 vocabulary 8,192, one drafter layer, 3 TTT steps) trained with the training stage's CPU
 flags (train.CPU_TRAINER_FLAGS) at --total-seq-len 4096. The inputs are built here: the
 target checkpoint from the GGUF of `make real-data` (gguf_target), and a dataset of random
-rows (300-1,800 tokens, the last two thirds trainable) with random hidden states of width
+rows (300-1,800 tokens, the last ``--answer-fraction`` of each trainable: two thirds by
+default) with random hidden states of width
 576 for 4 stored layers, in the files speculators 0.9.0 reads (hs_<row>.safetensors,
 token_freq.pt). Speed does not depend on the values.
 
@@ -12,8 +13,10 @@ Each setting runs real `speculators train` steps through draftsmith.speculators_
 - ``speculators``: the CPU adaptation alone (speculators' dense-mask SDPA, eager KL loss);
 - ``packed_attention``: + the attention over packed documents (cpu_speedups);
 - ``packed_attention_kl``: + the KL loss without per-entry logarithms;
+- ``packed_attention_kl_heads``: + the two heads computed only where the loss reads them
+  (the trainer's setting); their share of the work is the prompts' share of the rows;
 - ``all``: + freed memory kept for reuse (mallopt). Within noise of ``packed_attention_kl``
-  (209 against 215 tokens/s), so the trainer runs ``packed_attention_kl``.
+  (209 against 215 tokens/s), so the trainer does not.
 Every setting trains from the same seed on the same batches, so its per-step losses show
 that the changes compute the same thing (they differ by float rounding only). Reported per
 setting: tokens/s (speculators' own per-step figure, first step dropped as warm-up), the
@@ -21,7 +24,8 @@ forward, backward and optimizer milliseconds, medians over steps and repeats; th
 the settings are interleaved, as the host may be shared.
 
     python bench/train_cpu_width.py [--gguf results/real_data/SmolLM2-135M-Instruct.Q4_1.gguf]
-        [--work DIR] [--steps 5] [--repeats 2] [--settings speculators all]
+        [--work DIR] [--steps 5] [--repeats 2] [--settings speculators all] [--answer-fraction 0.4]
+        [--name train_cpu_width_answers_40]
 """
 
 import argparse
@@ -38,10 +42,11 @@ from results_file import write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = {
-    "speculators": {"attention": False, "kl_loss": False, "memory": False},
-    "packed_attention": {"attention": True, "kl_loss": False, "memory": False},
-    "packed_attention_kl": {"attention": True, "kl_loss": True, "memory": False},
-    "all": {"attention": True, "kl_loss": True, "memory": True},
+    "speculators": {"attention": False, "kl_loss": False, "heads": False, "memory": False},
+    "packed_attention": {"attention": True, "kl_loss": False, "heads": False, "memory": False},
+    "packed_attention_kl": {"attention": True, "kl_loss": True, "heads": False, "memory": False},
+    "packed_attention_kl_heads": {"attention": True, "kl_loss": True, "heads": True, "memory": False},
+    "all": {"attention": True, "kl_loss": True, "heads": True, "memory": True},
 }
 TOTAL_SEQ_LEN = 4096
 DRAFT_VOCAB = 8192
@@ -70,13 +75,13 @@ def build_target(gguf: Path, work: Path) -> Path:
     return target
 
 
-def build_data(work: Path) -> Path:
+def build_data(work: Path, answer_fraction: float) -> Path:
     """Random rows and hidden states in speculators' file layout (see the docstring)."""
     import torch
     from datasets import Dataset
     from safetensors.torch import save_file
 
-    data = work / "synthetic"
+    data = work / f"synthetic_answers_{round(100 * answer_fraction)}"
     if (data / "token_freq.pt").is_file():
         return data
     rng = random.Random(0)
@@ -88,7 +93,8 @@ def build_data(work: Path) -> Path:
         length = rng.randint(300, 1800)
         # Zipf-like ids (a few thousand frequent tokens), so the draft vocabulary is a real choice.
         ids = (torch.empty(length).exponential_(1 / 3000, generator=generator).long() % 49152).tolist()
-        mask = [0] * (length // 3) + [1] * (length - length // 3)
+        answer = round(length * answer_fraction)
+        mask = [0] * (length - answer) + [1] * answer
         rows["input_ids"].append(ids)
         rows["loss_mask"].append(mask)
         rows["seq_len"].append(length)
@@ -168,13 +174,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    parser.add_argument("--answer-fraction", type=float, default=2 / 3, help="trainable share of each row")
+    parser.add_argument("--name", default="train_cpu_width", help="results file name")
     args = parser.parse_args()
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         target = build_target(args.gguf, work)
-        data = build_data(work)
+        data = build_data(work, args.answer_fraction)
         runs: dict[str, list[list[dict]]] = {name: [] for name in args.settings}
         for _ in range(args.repeats):
             for name in args.settings:
@@ -188,6 +196,7 @@ def main() -> None:
         "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "total_seq_len": TOTAL_SEQ_LEN,
         "draft_vocab_size": DRAFT_VOCAB,
+        "answer_fraction": round(args.answer_fraction, 3),
         "steps": args.steps,
         "repeats": args.repeats,
         **measured,
@@ -201,7 +210,7 @@ def main() -> None:
             )
     last = measured[args.settings[-1]]["tokens_per_s"]
     result["last_setting_over_168"] = round(last / BASELINE_TOKENS_PER_S, 2)
-    write_result("train_cpu_width", result)
+    write_result(args.name, result)
 
 
 if __name__ == "__main__":

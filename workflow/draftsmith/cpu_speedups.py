@@ -27,6 +27,11 @@ Here, on CPU:
   ``p = softmax(t)`` and ``sum(p log p)`` are computed once per forward instead of once per
   TTT step (each step gets a slice of the same verifier logits), and the gradient
   ``softmax(z) - p`` is written out.
+- the drafter's head and the verifier's head (``lm_head``, ``verifier_lm_head``: a matmul
+  into the draft vocabulary at every position, about half of a step's arithmetic at
+  SmolLM2's width) are computed only at the positions whose logits the loss or the accuracy
+  metrics read (``HeadRows``); the others hold zeros, which no loss term, gradient or metric
+  reads. A row of chat is mostly prompt: answers are 30-70% of its tokens;
 - optionally (off: within noise in the trainer, and the resident size stays at its peak),
   glibc keeps freed memory for reuse (``keep_freed_memory``) instead of unmapping every
   tensor above 32 MiB, which page-faulted each step's logits in anew.
@@ -53,6 +58,8 @@ THIRD_PARTY = [
     ("torch.nn.attention.flex_attention", "create_mask"),
     ("speculators.losses.utils", "_EAGER_LOSS_FN_MAP"),
     ("transformers.modeling_utils", "ALL_ATTENTION_FUNCTIONS"),
+    ("speculators.models.eagle3.core", "Eagle3DraftModel.forward"),
+    ("speculators.models.eagle3.metrics", "align_for_step"),
 ]
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -352,6 +359,95 @@ def install_kl_loss():
     utils._EAGER_LOSS_FN_MAP["kl_div"] = kl_div_loss
 
 
+@dataclasses.dataclass
+class HeadRows:
+    """The positions whose head outputs one EAGLE-3 forward reads, from its loss mask.
+
+    In speculators' eagle3 ``forward`` and ``align_for_step``, TTT step ``s`` compares the
+    drafter's logits at position ``i`` with the verifier's at ``i + s``; the loss reads the
+    pairs with ``loss_mask[i + s]``, and the accuracy metrics also those with
+    ``loss_mask[i]`` (``prev_correct`` starts as the mask and is ANDed with every step's
+    correctness). So step ``s`` needs the drafter's head at ``i < seq_len - s`` where either
+    is set, and the verifier's head at ``j`` where ``loss_mask[j - s]`` is set for some step
+    (``s = 0`` included). The heads are called in that order: the verifier's once, then the
+    drafter's once per step."""
+
+    loss_mask: torch.Tensor  # [seq_len] bool
+    ttt_steps: int
+    step: int = 0
+
+    def _shifted(self, s: int) -> torch.Tensor:
+        """loss_mask[i + s] at position i (False past the end)."""
+        return torch.cat([self.loss_mask[s:], self.loss_mask.new_zeros(s)])
+
+    def verifier(self) -> torch.Tensor:
+        needed = self.loss_mask.clone()
+        for s in range(1, self.ttt_steps):
+            needed[s:] |= self.loss_mask[:-s]
+        return needed.nonzero().squeeze(1)
+
+    def drafter(self) -> torch.Tensor:
+        needed = self.loss_mask | self._shifted(self.step)
+        needed[len(needed) - self.step :] = False  # no verifier position to compare with
+        self.step += 1
+        return needed.nonzero().squeeze(1)
+
+
+_head_rows: HeadRows | None = None
+
+
+def _rows_head(head: str):
+    """A ``Linear.forward`` that computes [1, seq_len, out] only at the rows the forward
+    under way reads; everywhere else (and outside such a forward) it is the plain one."""
+
+    def forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        rows = _head_rows
+        if rows is None or x.dim() != 3 or x.shape[0] != 1 or x.shape[1] != rows.loss_mask.shape[0]:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        index = getattr(rows, head)()
+        computed = torch.nn.functional.linear(x[:, index], self.weight, self.bias)
+        return computed.new_zeros(1, x.shape[1], computed.shape[-1]).index_copy(1, index, computed)
+
+    return forward
+
+
+_drafter_head = _rows_head("drafter")
+_verifier_head = _rows_head("verifier")
+
+
+def install_masked_heads():
+    """The EAGLE-3 drafter computes its two heads only where they are read (HeadRows)."""
+    import inspect
+    import types
+
+    from speculators.models.eagle3 import core
+
+    model = core.Eagle3DraftModel
+    if getattr(model.forward, "draftsmith_heads", False):
+        return
+    forward = model.forward
+    signature = inspect.signature(forward)
+
+    def forward_reading_rows(self, *args, **kwargs):
+        global _head_rows
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        mask = bound.arguments["loss_mask"]
+        on_cpu = bound.arguments["hidden_states"].device.type == "cpu"
+        if mask is None or mask.shape[0] != 1 or not on_cpu or bound.arguments["verifier_last_hidden_states"] is None:
+            return forward(self, *args, **kwargs)
+        self.lm_head.forward = types.MethodType(_drafter_head, self.lm_head)
+        self.verifier_lm_head.forward = types.MethodType(_verifier_head, self.verifier_lm_head)
+        _head_rows = HeadRows(mask[0].to(torch.bool), int(bound.arguments["ttt_steps"]))
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            _head_rows = None
+
+    forward_reading_rows.draftsmith_heads = True  # type: ignore[attr-defined]
+    model.forward = forward_reading_rows
+
+
 # glibc's mallopt parameters. By default glibc serves every allocation above 32 MiB with a
 # fresh mmap and unmaps it when freed, so each step's large tensors (a [4096, 8192] fp32 of
 # logits is 128 MiB) are page-faulted in anew: 2.5 M minor faults and 4 s of system time in
@@ -375,7 +471,9 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
-def install(attention: bool = True, kl_loss: bool = True, memory: bool = False) -> None:
+def install(attention: bool = True, kl_loss: bool = True, heads: bool = True, memory: bool = False) -> None:
+    if heads:
+        install_masked_heads()
     if attention:
         install_packed_masks()
         wrap_sdpa()

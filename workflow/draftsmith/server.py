@@ -194,19 +194,18 @@ def wait_until_healthy(
                     f"port {endpoint.root_url.rsplit(':', 1)[1]} on 127.0.0.1 was taken by another "
                     "process before vLLM could bind it; rerun (each start picks a new free port)"
                 )
-            raise ServerError(
-                f"vLLM server exited with code {process.returncode} before it was ready; "
-                f"fix the error in its log ({log_path}), last lines:\n{tail}"
-            )
+            where = f"in its log ({log_path}), last lines:\n{tail}" if log_path else "in its output above"
+            code = process.returncode
+            raise ServerError(f"vLLM server exited with code {code} before it was ready; fix the error {where}")
         if _is_healthy(endpoint):
             log(f"server ready at {endpoint.base_url} after {time.monotonic() - started:.0f}s")
             return
         elapsed = time.monotonic() - started
         if elapsed > timeout_s:
+            output = f"Last lines of {log_path}:\n{log_tail(log_path)}" if log_path else "Its output is above."
             raise ServerError(
                 f"vLLM server not ready after {timeout_s:.0f}s; raise server.startup_timeout_s "
-                f"if the model is just slow to load. Last lines of {log_path}:\n"
-                f"{log_tail(log_path)}"
+                f"if the model is just slow to load. {output}"
             )
         if time.monotonic() - last_report >= 30:
             last_report = time.monotonic()
