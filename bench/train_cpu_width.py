@@ -4,8 +4,8 @@ An EAGLE-3 drafter for SmolLM2-135M-Instruct (Llama, hidden 576, vocabulary 49,1
 vocabulary 8,192, one drafter layer, 3 TTT steps) trained with the training stage's CPU
 flags (train.CPU_TRAINER_FLAGS) at --total-seq-len 4096. The inputs are built here: the
 target checkpoint from the GGUF of `make real-data` (gguf_target), and a dataset of random
-rows (300-1,800 tokens, the last ``--answer-fraction`` of each trainable: two thirds by
-default) with random hidden states of width
+rows (300-1,800 tokens, the last two thirds trainable; or, with ``--rows-like``, the token ids
+and loss masks of a finished run's dataset) with random hidden states of width
 576 for 4 stored layers, in the files speculators 0.9.0 reads (hs_<row>.safetensors,
 token_freq.pt). Speed does not depend on the values.
 
@@ -24,8 +24,8 @@ forward, backward and optimizer milliseconds, medians over steps and repeats; th
 the settings are interleaved, as the host may be shared.
 
     python bench/train_cpu_width.py [--gguf results/real_data/SmolLM2-135M-Instruct.Q4_1.gguf]
-        [--work DIR] [--steps 5] [--repeats 2] [--settings speculators all] [--answer-fraction 0.4]
-        [--name train_cpu_width_answers_40]
+        [--work DIR] [--steps 5] [--repeats 2] [--settings speculators all]
+        [--rows-like results/bench_real_model/questions_400/dataset --name train_cpu_width_sharegpt]
 """
 
 import argparse
@@ -75,32 +75,49 @@ def build_target(gguf: Path, work: Path) -> Path:
     return target
 
 
-def build_data(work: Path, answer_fraction: float) -> Path:
-    """Random rows and hidden states in speculators' file layout (see the docstring)."""
+def synthetic_rows() -> list[tuple[list[int], list[int]]]:
+    """300-1,800 tokens of Zipf-like ids (a few thousand frequent tokens, so the draft
+    vocabulary is a real choice), the last two thirds trainable."""
+    import torch
+
+    rng = random.Random(0)
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(ROWS):
+        length = rng.randint(300, 1800)
+        ids = (torch.empty(length).exponential_(1 / 3000, generator=generator).long() % 49152).tolist()
+        rows.append((ids, [0] * (length // 3) + [1] * (length - length // 3)))
+    return rows
+
+
+def rows_like(dataset: Path) -> list[tuple[list[int], list[int]]]:
+    """The token ids and loss masks of a finished run's dataset (real prompts and answers)."""
+    from datasets import load_from_disk
+
+    rows = load_from_disk(str(dataset)).with_format(None)
+    return list(zip(rows["input_ids"], rows["loss_mask"], strict=True))
+
+
+def build_data(work: Path, like: Path | None) -> Path:
+    """Rows and random hidden states in speculators' file layout (see the docstring)."""
     import torch
     from datasets import Dataset
     from safetensors.torch import save_file
 
-    data = work / f"synthetic_answers_{round(100 * answer_fraction)}"
+    data = work / ("like_" + like.parent.name if like else "synthetic")
     if (data / "token_freq.pt").is_file():
         return data
-    rng = random.Random(0)
     generator = torch.Generator().manual_seed(0)
     (data / "hidden_states").mkdir(parents=True, exist_ok=True)
     rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
     counts: dict[int, int] = {}
-    for row in range(ROWS):
-        length = rng.randint(300, 1800)
-        # Zipf-like ids (a few thousand frequent tokens), so the draft vocabulary is a real choice.
-        ids = (torch.empty(length).exponential_(1 / 3000, generator=generator).long() % 49152).tolist()
-        answer = round(length * answer_fraction)
-        mask = [0] * (length - answer) + [1] * answer
+    for row, (ids, mask) in enumerate(rows_like(like) if like else synthetic_rows()):
         rows["input_ids"].append(ids)
         rows["loss_mask"].append(mask)
-        rows["seq_len"].append(length)
+        rows["seq_len"].append(len(ids))
         for token in ids:
             counts[token] = counts.get(token, 0) + 1
-        states = torch.randn(length, STORED_LAYERS, HIDDEN, generator=generator).to(torch.bfloat16)
+        states = torch.randn(len(ids), STORED_LAYERS, HIDDEN, generator=generator).to(torch.bfloat16)
         save_file(
             {"hidden_states": states, "token_ids": torch.tensor(ids)},
             str(data / "hidden_states" / f"hs_{row}.safetensors"),
@@ -110,6 +127,13 @@ def build_data(work: Path, answer_fraction: float) -> Path:
     dataset.save_to_disk(str(data / "dataset"))
     torch.save(counts, data / "token_freq.pt")
     return data
+
+
+def trainable_share(data: Path) -> float:
+    from datasets import load_from_disk
+
+    masks = load_from_disk(str(data / "dataset")).with_format(None)["loss_mask"]
+    return round(sum(map(sum, masks)) / sum(map(len, masks)), 3)
 
 
 def train_args(target: Path, data: Path, save: Path, steps: int) -> list[str]:
@@ -174,7 +198,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
-    parser.add_argument("--answer-fraction", type=float, default=2 / 3, help="trainable share of each row")
+    parser.add_argument("--rows-like", type=Path, help="a finished run's dataset: its rows' ids and loss masks")
     parser.add_argument("--name", default="train_cpu_width", help="results file name")
     args = parser.parse_args()
     load_before = os.getloadavg()
@@ -182,7 +206,7 @@ def main() -> None:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         target = build_target(args.gguf, work)
-        data = build_data(work, args.answer_fraction)
+        data = build_data(work, args.rows_like)
         runs: dict[str, list[list[dict]]] = {name: [] for name in args.settings}
         for _ in range(args.repeats):
             for name in args.settings:
@@ -196,7 +220,8 @@ def main() -> None:
         "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "total_seq_len": TOTAL_SEQ_LEN,
         "draft_vocab_size": DRAFT_VOCAB,
-        "answer_fraction": round(args.answer_fraction, 3),
+        "rows": str(args.rows_like) if args.rows_like else "synthetic: 300-1,800 tokens, the last two thirds trainable",
+        "trainable_share": trainable_share(data),
         "steps": args.steps,
         "repeats": args.repeats,
         **measured,
