@@ -192,3 +192,15 @@ def test_the_rows_computed_are_every_pair_speculators_aligns_for_the_loss_or_the
         verifier_read |= set(targets[0, read, 0].long().tolist())
         assert set(rows.drafter().tolist()) == set(logits[0, read, 0].long().tolist()), step
     assert verifier == verifier_read
+
+
+def test_a_forward_without_the_arguments_read_keeps_its_heads_whole(monkeypatch):
+    """A speculators whose forward no longer takes a loss mask is left as it is."""
+    from speculators.models.eagle3 import core
+
+    def forward(self, hidden_states, input_ids, document_ids, mask=None, **kwargs):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(core.Eagle3DraftModel, "forward", forward)
+    cpu_speedups.install_masked_heads()
+    assert core.Eagle3DraftModel.forward is forward

@@ -58,7 +58,8 @@ THIRD_PARTY = [
     ("torch.nn.attention.flex_attention", "create_mask"),
     ("speculators.losses.utils", "_EAGER_LOSS_FN_MAP"),
     ("transformers.modeling_utils", "ALL_ATTENTION_FUNCTIONS"),
-    ("speculators.models.eagle3.core", "Eagle3DraftModel.forward"),
+    ("speculators.model", "DraftVocabMixin.lm_head"),
+    ("speculators.model", "DraftVocabMixin.verifier_lm_head"),
     ("speculators.models.eagle3.metrics", "align_for_step"),
 ]
 
@@ -411,6 +412,8 @@ def _rows_head(head: str):
     return forward
 
 
+# The arguments of speculators' Eagle3DraftModel.forward that HeadRows is built from.
+READ_ARGUMENTS = {"hidden_states", "loss_mask", "verifier_last_hidden_states", "ttt_steps"}
 _drafter_head = _rows_head("drafter")
 _verifier_head = _rows_head("verifier")
 
@@ -427,6 +430,8 @@ def install_masked_heads():
         return
     forward = model.forward
     signature = inspect.signature(forward)
+    if not READ_ARGUMENTS <= signature.parameters.keys():
+        return  # a speculators whose forward reads other arguments: its heads stay whole
 
     def forward_reading_rows(self, *args, **kwargs):
         global _head_rows
