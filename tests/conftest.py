@@ -145,7 +145,12 @@ def server_settings(model: Path, **server) -> dict:
             "env": dict(VLLM_ENV),
             **server,
         },
-        "hidden_states": {"disk_budget": "all", "stored_dtype": "served", "capture_memory_fraction": 0.5},
+        "hidden_states": {
+            "disk_budget": "all",
+            "stored_dtype": "served",
+            "capture": "separate",
+            "capture_memory_fraction": 0.5,
+        },
     }
 
 

@@ -5,7 +5,7 @@ import json
 
 from draftsmith import dataset
 from draftsmith.dataset import merge_completions
-from draftsmith.records import RowIds
+from draftsmith.records import CapturedRows, RowIds
 from draftsmith.run_config import RunConfig
 
 
@@ -26,8 +26,8 @@ def test_the_merged_rows_do_not_depend_on_how_questions_were_sharded(tmp_path):
     (tmp_path / "one").mkdir()
     two = write_shards(tmp_path / "two", [[records[0], records[3], records[4]], [records[5], records[1], records[2]]])
     one = write_shards(tmp_path / "one", [list(reversed(records))])
-    ids_two = merge_completions(two, tmp_path / "two.jsonl", seq_length=2)
-    ids_one = merge_completions(one, tmp_path / "one.jsonl", seq_length=2)
+    ids_two, _ = merge_completions(two, tmp_path / "two.jsonl", seq_length=2)
+    ids_one, _ = merge_completions(one, tmp_path / "one.jsonl", seq_length=2)
     assert (tmp_path / "two.jsonl").read_bytes() == (tmp_path / "one.jsonl").read_bytes()
     assert ids_two == ids_one
     merged = [json.loads(line) for line in (tmp_path / "one.jsonl").read_text().splitlines()]
@@ -49,6 +49,7 @@ def test_answers_cut_to_the_same_row_keep_every_question_id(tiny_tokenizer, tmp_
     settings = {
         "target": {"model": str(tiny_tokenizer), "trust_remote_code": False},
         "dataset": {"seq_length": seq_length, "min_trainable_tokens": 1},
+        "hidden_states": {"capture": "separate"},
     }
     dataset.run(RunConfig.from_dict(settings), shards, tmp_path / "staging", tmp_path / "out")
     row_ids = RowIds.read(tmp_path / "out").ids
@@ -59,3 +60,35 @@ def test_answers_cut_to_the_same_row_keep_every_question_id(tiny_tokenizer, tmp_
     by_id = {question: tuple(row) for question, row in zip(row_ids, rows, strict=True)}
     assert by_id["q-a"] == by_id["q-b"] == tuple(shared)
     assert by_id["q-c"] == (1, 20, 21, 22, 23) and by_id["q-d"] == (1, 30, 31, 32)
+
+
+def test_one_pass_rows_end_before_the_final_token_and_captured_rows_come_first(tiny_tokenizer, tmp_path):
+    """hidden_states.capture during_generation: the final answer token has no captured state,
+    so every row drops it; rows whose states were captured lead, in prepare-data's order, and
+    their count is recorded (a disk budget stores at most those)."""
+    from datasets import load_from_disk
+
+    records = [
+        {
+            "id": f"q{i}",
+            "input_ids": [1, 10 + i, 20 + i, 30 + i, 2],
+            "loss_mask": [0, 1, 1, 1, 1],
+            "captured": i % 3 == 0,
+        }
+        for i in range(9)
+    ]
+    shards = write_shards(tmp_path, [records])
+    settings = {
+        "target": {"model": str(tiny_tokenizer), "trust_remote_code": False},
+        "dataset": {"seq_length": 16, "min_trainable_tokens": 1},
+        "hidden_states": {"capture": "during_generation"},
+    }
+    dataset.run(RunConfig.from_dict(settings), shards, tmp_path / "staging", tmp_path / "out")
+    row_ids = RowIds.read(tmp_path / "out").ids
+    rows = load_from_disk(str(tmp_path / "out")).with_format(None)
+    assert set(row_ids[:3]) == {"q0", "q3", "q6"}
+    assert CapturedRows.read(tmp_path / "out") == CapturedRows(captured=3, rows=9)
+    for question, input_ids, loss_mask in zip(row_ids, rows["input_ids"], rows["loss_mask"], strict=True):
+        i = int(question[1:])
+        assert input_ids == [1, 10 + i, 20 + i, 30 + i] and loss_mask == [0, 1, 1, 1]
+    assert (tmp_path / "out" / "token_freq.pt").is_file()

@@ -1,7 +1,8 @@
 """The production family end to end on CPU: config/deepseek-v3-tiny.yaml (a DeepSeek-V3 /
 Kimi-architecture target, MLA + MoE, built and trained locally) through generation, dataset,
 extraction, training and evaluation, for real; under a disk budget, so training captures a
-fifth of its rows from a capture server in every epoch (the mixed path), stored rows in fp8."""
+fifth of its rows from a capture server in every epoch (the mixed path), stored rows in fp8;
+and in one pass: the stored rows' states were saved by the generation server."""
 
 import json
 import subprocess
@@ -16,7 +17,7 @@ from serve_check import serve_and_measure
 from transformers import AutoTokenizer
 
 from draftsmith.disk_budget import parse_budget
-from draftsmith.records import ShardManifest, TrainingMetrics
+from draftsmith.records import CapturedRows, ShardManifest, TrainingMetrics
 
 pytestmark = pytest.mark.e2e
 CONFIG = "config/deepseek-v3-tiny.yaml"
@@ -109,6 +110,25 @@ def test_training_captured_every_row_past_the_disk_budget_in_every_epoch(deepsee
         f"{stored} of {rows} rows stored, {rows - stored} captured on demand (budget)"
         in (deepseek_run / "logs/train.log").read_text()
     )
+
+
+def test_the_stored_rows_were_captured_while_generating_and_no_extraction_server_ran(deepseek_run):
+    """hidden_states.capture during_generation: the generation server saved the answers'
+    states up to the budget, the dataset put those rows first, and the extraction adopted
+    every stored row (hard links) without loading the target again."""
+    manifest = ShardManifest.read(deepseek_run / "hidden_states/shard_0")
+    captured = CapturedRows.read(deepseek_run / "dataset")
+    assert captured is not None and manifest is not None
+    print(json.dumps({"captured": captured.captured, "rows": captured.rows, "stored": manifest.stored_rows}))
+    assert manifest.stored_rows is not None and 0 < manifest.stored_rows <= captured.captured
+    adopted = manifest.captured_during_generation or {}
+    assert sum(adopted.values()) == manifest.num_rows and set(adopted) <= {
+        "adopted",
+        "adopted, cut to dataset.seq_length",
+    }
+    assert "starting vLLM" not in (deepseek_run / "logs/extract/shard_0.log").read_text()
+    summary = json.loads((deepseek_run / ".staging/completions/shard_0/summary.json").read_text())
+    assert summary["states_captured"]["bytes"] <= parse_budget(BUDGET)
 
 
 def test_the_drafter_reads_the_extracted_layers(deepseek_run):

@@ -46,6 +46,16 @@ def cross_field_problems(config: RunConfig) -> list[str]:
         problems.append(
             "config target.gguf and target.build_demo both make target.model; keep one (build_demo is for the demo)"
         )
+    if config.hidden_states.during_generation and config.generation.endpoint is not None:
+        problems.append(
+            "config hidden_states.capture during_generation needs the workflow's own generation server "
+            "(it saves the states as it answers), not generation.endpoint; remove one of them"
+        )
+    if config.hidden_states.during_generation and config.hidden_states.limited_budget == 0:
+        problems.append(
+            "config hidden_states.capture during_generation stores states, but disk_budget 0 stores none; "
+            "set capture: separate, or a disk budget above 0"
+        )
     seq_length = config.dataset.seq_length
     if max_model_len < seq_length + 1:
         problems.append(

@@ -29,7 +29,7 @@ from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.errors import DraftsmithError
 from draftsmith.layout import TOKEN_FREQUENCIES
 from draftsmith.progress import log
-from draftsmith.records import RowIds
+from draftsmith.records import CapturedRows, RowIds
 from draftsmith.run_config import RunConfig
 
 SPECULATORS_CLI = [sys.executable, "-m", "speculators"]
@@ -68,13 +68,18 @@ def answers_by_id(shards: list[Path]) -> list[tuple[str, Path, int]]:
     return sorted(found)
 
 
-def merge_completions(shards: list[Path], merged: Path, seq_length: int) -> dict[str, list[str]]:
+def merge_completions(
+    shards: list[Path], merged: Path, seq_length: int, one_pass: bool = False
+) -> tuple[dict[str, list[str]], set[str]]:
     """Write the answers, in question-id order, as one JSONL of ``input_ids``/``loss_mask`` rows.
 
     Returns the question ids of each row as prepare-data will write it (cut to
-    ``seq_length``), keyed by ``row_key``, in question-id order.
+    ``seq_length``), keyed by ``row_key``, in question-id order; and the questions whose
+    states generation captured. One pass: each row ends before its final answer token,
+    the one token whose state the target never computed (``one_pass``).
     """
     ids_by_row: dict[str, list[str]] = {}
+    captured: set[str] = set()
     handles = {shard: shard.open("rb") for shard in shards}
     try:
         with merged.open("w", encoding="utf-8") as out:
@@ -82,13 +87,17 @@ def merge_completions(shards: list[Path], merged: Path, seq_length: int) -> dict
                 handles[shard].seek(offset)
                 record = json.loads(handles[shard].readline())
                 input_ids, loss_mask = record["input_ids"], record["loss_mask"]
+                if one_pass:
+                    input_ids, loss_mask = input_ids[:-1], loss_mask[:-1]
+                if record.get("captured"):
+                    captured.add(question_id)
                 ids_by_row.setdefault(row_key(input_ids[:seq_length], loss_mask[:seq_length]), []).append(question_id)
                 row = {"input_ids": input_ids, "loss_mask": loss_mask}
                 out.write(json.dumps(row) + "\n")
     finally:
         for handle in handles.values():
             handle.close()
-    return ids_by_row
+    return ids_by_row, captured
 
 
 def row_key(input_ids: list[int], loss_mask: list[int]) -> str:
@@ -135,10 +144,33 @@ def row_question_ids(dataset_dir: Path, ids_by_row: dict[str, list[str]]) -> lis
     return result
 
 
+def captured_rows_first(prepared: Path, row_ids: list[str], captured: set[str], staging: Path) -> list[str]:
+    """One pass: reorder the rows so those whose states generation captured come first
+    (each group keeps prepare-data's shuffled order), and record how many there are. A disk
+    budget stores leading rows, so it stores captured ones and requests nothing again."""
+    from datasets import load_from_disk
+
+    order = [row for row, question in enumerate(row_ids) if question in captured]
+    order += [row for row, question in enumerate(row_ids) if question not in captured]
+    if order != list(range(len(order))):
+        reordered = staging / "reordered"
+        shutil.rmtree(reordered, ignore_errors=True)
+        load_from_disk(str(prepared)).select(order).save_to_disk(str(reordered))
+        shutil.copy2(prepared / TOKEN_FREQUENCIES, reordered / TOKEN_FREQUENCIES)
+        shutil.rmtree(prepared)
+        reordered.rename(prepared)
+        row_ids = [row_ids[row] for row in order]
+    leading = sum(question in captured for question in row_ids)
+    CapturedRows(captured=leading, rows=len(row_ids)).write(prepared)
+    log(f"one pass: {leading} of {len(row_ids)} rows have states captured during generation; they come first")
+    return row_ids
+
+
 def run(settings: RunConfig, completions: list[Path], staging: Path, output: Path) -> None:
     staging.mkdir(parents=True, exist_ok=True)
     merged = staging / "merged.jsonl"
-    ids_by_row = merge_completions(completions, merged, settings.dataset.seq_length)
+    one_pass = settings.hidden_states.during_generation
+    ids_by_row, captured = merge_completions(completions, merged, settings.dataset.seq_length, one_pass)
     answers = sum(len(ids) for ids in ids_by_row.values())
     if not answers:
         raise DatasetError("the completion shards hold no answers; check the generation logs")
@@ -153,6 +185,8 @@ def run(settings: RunConfig, completions: list[Path], staging: Path, output: Pat
         raise DatasetError(f"speculators prepare-data failed (exit {result.returncode}); see the log above")
 
     row_ids = row_question_ids(prepared, ids_by_row)
+    if one_pass:
+        row_ids = captured_rows_first(prepared, row_ids, captured, staging)
     RowIds(row_ids).write(prepared)
     log(f"dataset: {len(row_ids)} rows ({answers - len(row_ids)} dropped by prepare-data)")
     publish_directory(prepared, output)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.records import CapturedRows
 
 if TYPE_CHECKING:  # run_config reads budgets with this module
     from draftsmith.run_config import RunConfig
@@ -149,4 +150,10 @@ def row_split(
     value_bytes: int = BYTES_PER_VALUE,
 ) -> RowSplit:
     tokens = dataset_row_tokens(dataset)
-    return RowSplit(len(tokens), stored_rows(tokens, budget, stored_layers, hidden_size, fp8, value_bytes))
+    stored = stored_rows(tokens, budget, stored_layers, hidden_size, fp8, value_bytes)
+    captured = CapturedRows.read(dataset)
+    if budget is not None and captured is not None:
+        # One pass: the budget stores what generation captured (rows past it stay online),
+        # so no stored row needs a server of its own.
+        stored = min(stored, captured.captured)
+    return RowSplit(len(tokens), stored)

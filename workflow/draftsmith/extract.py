@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -41,9 +42,10 @@ from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.client import SPECULATORS_CLIENT
 from draftsmith.disk_budget import row_split
 from draftsmith.layers import LayerPlan, resolve_layers
-from draftsmith.layout import HIDDEN_STATE_GLOB, hidden_state_file, hidden_state_row
+from draftsmith.layout import HIDDEN_STATE_GLOB, ROW_IDS, hidden_state_file, hidden_state_row
+from draftsmith.one_pass import CaptureOutcomes, adopt_captures
 from draftsmith.progress import Progress, log
-from draftsmith.records import ShardManifest
+from draftsmith.records import RowIds, ShardManifest
 from draftsmith.run_config import RunConfig, flag_value
 from draftsmith.server import Endpoint, ServerSpec
 from draftsmith.server_stage import RequestPolicy, ServerStage, StageError, first_errors
@@ -385,6 +387,20 @@ def publish(staging: Path, output: Path, rows: ShardRows, info: ShardManifest) -
     publish_directory(fresh, output)
 
 
+def adopt_captured_rows(
+    settings: RunConfig, dataset_dir: Path, staging: Path, rows: ShardRows, captures: Sequence[Path]
+) -> CaptureOutcomes | None:
+    """One pass: stage the rows generation captured (``one_pass``); None when capture is separate."""
+    if not settings.hidden_states.during_generation:
+        return None
+    row_ids = RowIds.read(dataset_dir)
+    if row_ids is None:
+        raise ExtractionError(f"{dataset_dir} has no {ROW_IDS}; rerun the dataset stage")
+    outcomes = CaptureOutcomes(staging)
+    outcomes.update(adopt_captures(staging, rows, row_ids.ids, captures))
+    return outcomes
+
+
 def run(
     settings: RunConfig,
     dataset_dir: Path,
@@ -393,6 +409,7 @@ def run(
     staging: Path,
     output: Path,
     granted_gpus: int | None = None,
+    captures: Sequence[Path] = (),
 ) -> ExtractionResult:
     """Extract, resume, gate and publish one shard; raise ``ExtractionError`` if incomplete."""
     stage = extraction_stage(settings)
@@ -419,6 +436,7 @@ def run(
     shutil.rmtree(storage, ignore_errors=True)  # leftovers of a killed server
     storage.mkdir()
 
+    outcomes = adopt_captured_rows(settings, dataset_dir, staging, rows, captures)
     todo = rows_to_request(staging, rows, shape)
     result = ExtractionResult(rows.rows, skipped=len(rows) - len(todo), requested=todo)
     if todo:
@@ -429,7 +447,10 @@ def run(
     stage.check_failures(result.failures, len(rows), kept)
     check_shard(staging, rows, shape.num_layers_stored, shape.hidden_size, shape.stored_dtype)
     items = fingerprint_of(stage.items)
-    publish(staging, output, rows, manifest(rows, plan, shape, staging, items, split.stored))
+    info = manifest(rows, plan, shape, staging, items, split.stored)
+    if outcomes is not None:
+        info = dataclasses.replace(info, captured_during_generation=outcomes.counts())
+    publish(staging, output, rows, info)
     shutil.rmtree(storage)
     log(f"published {len(rows)} samples to {output}")
     return result
@@ -448,6 +469,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--staging", required=True, type=Path, help="resumable work dir")
     parser.add_argument("--output", required=True, type=Path, help="published shard dir")
     parser.add_argument("--granted-gpus", type=int, default=None, help="what Snakemake granted")
+    parser.add_argument(
+        "--captures", nargs="*", type=Path, default=[], help="one pass: the generation shards' staging dirs"
+    )
     args = parser.parse_args(argv)
     run(
         read_settings(args.settings, "extract"),
@@ -457,6 +481,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.staging,
         args.output,
         args.granted_gpus,
+        args.captures,
     )
 
 

@@ -27,6 +27,7 @@ import asyncio
 import errno
 import json
 import os
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,8 +36,10 @@ from typing import Any
 
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
-from draftsmith.client import SPECULATORS_CLIENT, chat_poster, open_session
+from draftsmith.client import SPECULATORS_CLIENT, Poster, chat_poster, open_session
+from draftsmith.extract import VLLM_STORAGE_DIR, extraction_server_args, target_shape
 from draftsmith.layout import GENERATION_RECORDS, SUMMARY
+from draftsmith.one_pass import CaptureSpool, captured_state_file, discard_states
 from draftsmith.progress import Progress, log
 from draftsmith.prompt_length import PromptMeter
 from draftsmith.run_config import RunConfig
@@ -162,6 +165,18 @@ class RecordWriter:
         self._handle.close()
 
 
+def capturing(post: Poster, paths: list[str | None]) -> Poster:
+    """One pass: every request asks the connector for the states of the answer too, and
+    the file each response names is collected (the conversation's first is its record's)."""
+
+    async def post_capturing(payload: dict[str, Any]) -> dict[str, Any]:
+        data = await post({**payload, "kv_transfer_params": {"include_output_tokens": True}})
+        paths.append((data.get("kv_transfer_params") or {}).get("hidden_states_path"))
+        return data
+
+    return post_capturing
+
+
 async def answer_questions(
     stage: ServerStage[str],
     endpoint: Endpoint,
@@ -170,6 +185,7 @@ async def answer_questions(
     *,
     already_done: int,
     total: int,
+    spool: CaptureSpool | None = None,
 ) -> GenerationTally:
     from speculators.cli.regenerate_responses import regenerate_conversation
 
@@ -183,8 +199,9 @@ async def answer_questions(
         async def answer(question_id: str) -> dict[str, int]:
             item = {"idx": position[question_id], "primary_id": question_id, "turns": by_id[question_id]["messages"]}
             samples: list[dict[str, Any]] = []
+            files: list[str | None] = []
             await regenerate_conversation(
-                post,
+                post if spool is None else capturing(post, files),
                 item,
                 model=endpoint.model,
                 max_tokens=generation.max_tokens,
@@ -194,6 +211,10 @@ async def answer_questions(
                 detokenize=lambda ids: "",  # review-only text twin; not needed
             )
             record = record_from_sample(question_id, samples[0])
+            if spool is not None:  # before the record: a file without one is dropped on resume
+                for later in filter(None, files[1:]):  # later turns of a conversation: not trained
+                    discard_states(later)
+                await spool.keep(question_id, files[0] if files else None, record["input_ids"][:-1])
             await writer.append(record)
             return {"truncated": int(record["finish_reason"] == "length")}
 
@@ -209,9 +230,18 @@ def external_endpoint(settings: RunConfig) -> Endpoint | None:
     return Endpoint(external.base_url, api_key, external.model or settings.target.model)
 
 
-def publish(questions: list[dict[str, Any]], records: dict[str, dict[str, Any]], output: Path) -> None:
-    """The shard's answers in question order, written whole under the output name."""
-    lines = [json.dumps(records[q["id"]]) + "\n" for q in questions if q["id"] in records]
+def publish(
+    questions: list[dict[str, Any]], records: dict[str, dict[str, Any]], output: Path, captures: Path | None = None
+) -> None:
+    """The shard's answers in question order, written whole under the output name. One
+    pass: each says whether its states are staged in ``captures`` (the generation staging)."""
+    lines = []
+    for question in questions:
+        record = records.get(question["id"])
+        if record is not None:
+            if captures is not None:
+                record = {**record, "captured": captured_state_file(captures, question["id"]).is_file()}
+            lines.append(json.dumps(record) + "\n")
     atomic_write_text(output, "".join(lines))
 
 
@@ -226,6 +256,23 @@ def overlong_prompts(settings: RunConfig, questions: list[dict[str, Any]]) -> di
     meter = PromptMeter(settings.target.model, settings.target.trust_remote_code)
     lengths = {question["id"]: meter.tokens(question["messages"]) for question in questions}
     return {question: n for question, n in lengths.items() if n >= settings.server.max_model_len}
+
+
+def capture_spool(settings: RunConfig, staging: Path, answered: dict[str, Any]) -> tuple[CaptureSpool, list[str]]:
+    """One pass: the spool for this shard's states and the flags that make the generation
+    server an extraction server too (the extraction stage's own)."""
+    if settings.generation.endpoint is not None:
+        raise GenerationError(
+            "hidden_states.capture: during_generation needs the workflow's own generation server; "
+            "remove generation.endpoint or set capture: separate"
+        )
+    plan, shape = target_shape(settings)
+    storage = staging / VLLM_STORAGE_DIR
+    shutil.rmtree(storage, ignore_errors=True)  # leftovers of a killed server
+    storage.mkdir(parents=True)
+    spool = CaptureSpool(staging, settings.capture_share, shape.check)
+    spool.resume(answered)
+    return spool, extraction_server_args(plan, storage, shape)
 
 
 def run(
@@ -254,19 +301,25 @@ def run(
         todo = [q for q in todo if q["id"] not in overlong]
 
     tally = GenerationTally(errors={i: f"prompt of {n} tokens fills max_model_len" for i, n in overlong.items()})
+    one_pass = settings.hidden_states.during_generation
+    spool, server_args = capture_spool(settings, staging, done) if one_pass else (None, [])
     if todo:
         writer = RecordWriter(records_path)
         started = time.monotonic()
         try:
-            spec = ServerSpec.from_config(settings)
+            spec = ServerSpec.from_config(settings, extra_args=server_args)
             imports = (SPECULATORS_GENERATION, SPECULATORS_CLIENT)
             with stage.server(spec, *imports, external=external_endpoint(settings)) as endpoint:
                 asked = asyncio.run(
-                    answer_questions(stage, endpoint, todo, writer, already_done=len(done), total=len(questions))
+                    answer_questions(
+                        stage, endpoint, todo, writer, already_done=len(done), total=len(questions), spool=spool
+                    )
                 )
             tally = GenerationTally(asked.ok, asked.truncated, tally.errors | asked.errors)
         finally:
             writer.close()
+            if one_pass:  # files of requests that failed or were cut off
+                shutil.rmtree(staging / VLLM_STORAGE_DIR, ignore_errors=True)
         log(
             f"asked {len(todo)} in {time.monotonic() - started:.0f}s: "
             f"{tally.ok} ok ({tally.truncated} truncated at max_tokens), {len(tally.errors)} failed"
@@ -282,13 +335,15 @@ def run(
         "asked_this_run": len(todo),
         "errors": dict(list(tally.errors.items())[:20]),
     }
+    if spool is not None:
+        summary["states_captured"] = {"answers": spool.kept, "bytes": spool.bytes, "not_kept": dict(spool.skipped)}
     atomic_write_text(staging / SUMMARY, json.dumps(summary, indent=2) + "\n")
     stage.check_failures(
         {i: tally.errors.get(i, "not answered") for i in missing},
         len(questions),
         kept=f"Answered ones are kept in {records_path} and a rerun asks only for the rest",
     )
-    publish(questions, records, output)
+    publish(questions, records, output, staging if one_pass else None)
     log(f"published {summary['answered']} answers to {output}")
     return tally
 

@@ -18,6 +18,8 @@ SHARD_GLOB = "shard_*"
 GENERATION_RECORDS = "records.jsonl"  # a generation shard's staged answers
 SUMMARY = "summary.json"  # a stage's own account of its run (questions, generation)
 ROW_IDS = "row_ids.json"  # the dataset's row -> question id (prepare-data drops the ids)
+CAPTURED_ROWS = "captured_rows.json"  # one pass: how many leading dataset rows were captured
+CAPTURES = "captures"  # one pass: inside a generation shard's staging, the answers' states
 TOKEN_FREQUENCIES = "token_freq.pt"  # the dataset's token counts: the draft vocabulary
 TRAINING_METRICS = "training_metrics.json"  # published with the drafter
 

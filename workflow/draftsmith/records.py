@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from draftsmith.atomic import atomic_write_text
-from draftsmith.layout import ROW_IDS, SHARD_MANIFEST, TRAINING_METRICS
+from draftsmith.layout import CAPTURED_ROWS, ROW_IDS, SHARD_MANIFEST, TRAINING_METRICS
 
 
 class _Record:
@@ -53,6 +53,24 @@ class RowIds:
 
 
 @dataclass(frozen=True)
+class CapturedRows(_Record):
+    """One pass: the dataset's leading ``captured`` rows had their states saved by the
+    generation server (``dataset/captured_rows.json``; the dataset puts them first). A disk
+    budget stores at most these; the extraction stage adopts their files."""
+
+    captured: int
+    rows: int
+
+    def write(self, dataset: Path) -> None:
+        atomic_write_text(dataset / CAPTURED_ROWS, self.to_json())
+
+    @classmethod
+    def read(cls, dataset: Path) -> CapturedRows | None:
+        path = dataset / CAPTURED_ROWS
+        return cls.from_json(path.read_text()) if path.is_file() else None
+
+
+@dataclass(frozen=True)
 class ShardManifest(_Record):
     items_fingerprint: str  # the settings every file was made under (settings.item_settings)
     rows: list[int]  # [first, past the last] dataset row of the shard
@@ -67,6 +85,9 @@ class ShardManifest(_Record):
     # Rows stored by all shards together (the training view covers 0..stored_rows-1);
     # None in manifests from before disk budgets, which stored every row.
     stored_rows: int | None = None
+    # One pass: rows by how they got their states (adopted from generation, or requested
+    # by prefill and why); None for a separate extraction.
+    captured_during_generation: dict[str, int] | None = None
 
     def write(self, shard: Path) -> None:
         atomic_write_text(shard / SHARD_MANIFEST, self.to_json())

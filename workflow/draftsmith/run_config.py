@@ -201,6 +201,7 @@ class HiddenStatesSettings(Section):
     SECTION: ClassVar[str] = "hidden_states."
     disk_budget: int | str
     stored_dtype: str
+    capture: str
     capture_memory_fraction: float
 
     @property
@@ -212,6 +213,11 @@ class HiddenStatesSettings(Section):
     def fp8(self) -> bool:
         """``stored_dtype: fp8``: stored and captured rows hold fp8 states."""
         return self.stored_dtype == "fp8"
+
+    @property
+    def during_generation(self) -> bool:
+        """``capture: during_generation``: the generation server saves the stored rows' states."""
+        return self.capture == "during_generation"
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -308,6 +314,15 @@ class RunConfig(Section):
         """Greedy, as vLLM drafts, and with ``evaluation.sampled`` the generation's sampling too."""
         greedy: list[dict[str, Any]] = [{"temperature": 0.0}]
         return greedy + [dict(self.generation.sampling)] if self.evaluation.sampled else greedy
+
+    @property
+    def capture_share(self) -> int | None:
+        """One pass under a disk budget: the bytes of states each generation shard keeps
+        (None while capture is separate, or with no limit)."""
+        budget = self.hidden_states.limited_budget
+        if not self.hidden_states.during_generation or budget is None:
+            return None
+        return budget // self.questions.shards
 
     @property
     def question_prompt_limit(self) -> int:

@@ -159,6 +159,23 @@ DERIVED = {
         ("hidden_states.stored_dtype",),
         lambda c: True if typed(c).hidden_states.fp8 else None,
     ),
+    # One pass (hidden_states.capture: during_generation): the generation server saves the
+    # states, so generation's answers come with what shapes the states (layers, storage, the
+    # vLLM release). None while capture is separate, so separate runs keep their params.
+    "hidden_states.capture_during_generation": (
+        ("hidden_states.capture", "layers", "hidden_states.stored_dtype"),
+        lambda c: (
+            {"layers": lookup(c, "layers"), "fp8": typed(c).hidden_states.fp8, "vllm": installed_version("vllm")}
+            if typed(c).hidden_states.during_generation
+            else None
+        ),
+    ),
+    # How many answers keep their captured states: each generation shard's share of a disk
+    # budget (an extent of generation: finished answers stay when it changes).
+    "hidden_states.capture_budget": (
+        ("hidden_states.capture", "hidden_states.disk_budget", "questions.shards"),
+        lambda c: typed(c).capture_share,
+    ),
     # What computes the rows training captures on demand: the extraction server's numerics
     # and release (with no extraction stage, training is what must re-run on a change).
     "hidden_states.capture_numerics": (
@@ -298,8 +315,9 @@ STAGES: dict[str, Stage] = {
             "generation.sampling",
             "generation.endpoint",
             *SERVER_NUMERICS,
+            "hidden_states.capture_during_generation",
         ),
-        extent=("target.build_demo",),
+        extent=("target.build_demo", "hidden_states.capture_budget"),
         operational=(
             *SERVER_PLACEMENT,
             *SERVER_PATIENCE,
@@ -311,7 +329,13 @@ STAGES: dict[str, Stage] = {
         ),
     ),
     "dataset": Stage(
-        shaping=("target.model", "dataset.seq_length", "dataset.min_trainable_tokens"),
+        # One pass: rows end before the final answer token, and captured rows come first.
+        shaping=(
+            "target.model",
+            "dataset.seq_length",
+            "dataset.min_trainable_tokens",
+            "hidden_states.capture_during_generation",
+        ),
         extent=("target.build_demo",),
         operational=("target.trust_remote_code",),
         software=("speculators", "transformers"),
@@ -319,7 +343,13 @@ STAGES: dict[str, Stage] = {
     # Hidden states are the numbers the drafter learns: what computes them counts (layers,
     # numerics flags, the vLLM release), not where (TP, device: within bf16 noise).
     "extract": Stage(
-        shaping=("target.model", "layers", *SERVER_NUMERICS, "hidden_states.fp8_storage"),
+        shaping=(
+            "target.model",
+            "layers",
+            *SERVER_NUMERICS,
+            "hidden_states.fp8_storage",
+            "hidden_states.capture_during_generation",
+        ),
         # A smaller budget keeps the staged rows it still covers; a larger one adds rows.
         extent=("target.build_demo", "extraction.shards", "hidden_states.limited_budget"),
         operational=(
@@ -546,12 +576,19 @@ def downstream(rules: Iterable[str]) -> set[str]:
     return found
 
 
-def rules_tracking(setting: str) -> list[str]:
+# Derived settings that exist only in one mode: the README names the rules reached only
+# through them apart ("in one pass also ..."), so the column is right for the default mode.
+ONE_PASS_ONLY = ("hidden_states.capture_during_generation", "hidden_states.capture_budget")
+
+
+def rules_tracking(setting: str, skip: tuple[str, ...] = ()) -> list[str]:
     """Rules that track a declared setting, a config key (through any setting derived from
-    it) or a software name."""
+    it, except those in ``skip``) or a software name."""
     rules = []
     for rule, stage in STAGES.items():
-        sources = {real for tracked in stage.tracked for real in (tracked, *config_keys(tracked))}
+        sources = {
+            real for tracked in stage.tracked if tracked not in skip for real in (tracked, *config_keys(tracked))
+        }
         if setting in sources or setting in stage.software:
             rules.append(rule)
     return rules
@@ -607,11 +644,15 @@ def reruns_text(setting: str) -> str:
     (``followers_text``)."""
     if setting in WHERE:
         return "everything, in the new directory (a built demo target stays at `target.model`)"
-    rules = [rule for rule in RULE_ORDER if rule in rules_tracking(setting)]
+    rules = [rule for rule in RULE_ORDER if rule in rules_tracking(setting, skip=ONE_PASS_ONLY)]
+    one_pass = [rule for rule in RULE_ORDER if rule in rules_tracking(setting) and rule not in rules]
+    if one_pass and not rules:  # the mode's own switch
+        rules, one_pass = one_pass, []
+    also = "; in one pass also " + ", ".join(f"`{rule}`" for rule in one_pass) if one_pass else ""
     if setting in SWEPT:
         jobs = " and ".join(f"`{rule}`" for rule in SWEPT[setting])
         return f"{jobs} for each new value, " + ", ".join(f"`{rule}`" for rule in rules) + " and what follows"
-    return ", ".join(f"`{rule}`" for rule in rules) + " and what follows" if rules else "nothing"
+    return (", ".join(f"`{rule}`" for rule in rules) + " and what follows" if rules else "nothing") + also
 
 
 def followers_text(rule: str) -> str:

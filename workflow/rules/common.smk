@@ -59,6 +59,14 @@ def completion_shards():
     return [path(LAYOUT.completion_shard(shard)) for shard in QUESTION_SHARDS]
 
 
+def captured_states_flag():
+    """One pass: the extraction adopts the states the generation shards staged."""
+    if not RUN.hidden_states.during_generation:
+        return ""
+    dirs = shlex.join(staging("completions", shard) for shard in QUESTION_SHARDS)
+    return f"--captures {dirs}"
+
+
 def extraction_shards():
     return [path(LAYOUT.hidden_state_shard(shard)) for shard in EXTRACTION_SHARDS]
 

@@ -17,10 +17,11 @@ rule extract:
         config=RUN_CONFIG,
         staging=staging("hidden_states", "{shard}"),
         num_shards=RUN.extraction.shards,
+        captures=captured_states_flag(),
     shell:
         "python -m draftsmith.extract --settings {params.config:q}"
         " --dataset {input.dataset:q} --shard {wildcards.shard} --num-shards {params.num_shards}"
-        " --staging {params.staging:q} --output {output:q}"
+        " --staging {params.staging:q} --output {output:q} {params.captures}"
         " --granted-gpus {resources.gpu} > {log:q} 2>&1"
 
 
