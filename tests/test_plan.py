@@ -140,7 +140,8 @@ def test_a_configured_budget_is_planned_beside_offline_and_online(tmp_path, stor
     modes = modes_by_name(plan_for(RunConfig.from_dict(settings), tmp_path / "results"))
     assert modes["budget (configured)"]["rows_stored"] == 1000
     assert modes["budget (configured)"]["stored_bytes"] == 1000 * each
-    assert list(modes)[0] == "offline" and list(modes)[-1] == "online"
+    separate = [name for name in modes if not name.startswith("one pass")]
+    assert separate[0] == "offline" and separate[-1] == "online"
 
 
 def test_fp8_storage_plans_about_half_the_bytes_with_its_scales(tmp_path):
@@ -164,3 +165,46 @@ def test_a_target_served_in_fp32_stores_four_bytes_a_value(tmp_path):
     assert "tokens x 4 layers x 7168 x 4 B" in format_plan(fp32)
     settings["server"]["extra_args"] = ["--dtype=bfloat16"]
     assert plan_for(RunConfig.from_dict(settings), tmp_path / "results")["bytes_per_value"] == 2
+
+
+def test_the_plan_in_hours_shows_what_one_pass_saves_and_that_online_recaptures_every_epoch(tmp_path):
+    """Kimi at 600,000 questions on one 8xH200 host: every storage mode in loads, tokens
+    through the target and the trainer, and hours, from rates that name their source."""
+    settings = kimi_settings(tmp_path)
+    shutil.copy(ROOT / "tests/data/kimi-k2.5-config.json", Path(settings["target"]["model"]) / "config.json")
+    settings["questions"]["limit"] = 600_000
+    plan = plan_for(RunConfig.from_dict(settings), tmp_path / "results")
+    assert 31e9 < plan["active_parameters"] < 33e9  # Kimi-K2.5: 32B active of ~1T
+    timed = {mode["mode"]: mode for mode in plan["timed_modes"]}
+    offline, one_pass, online = timed["offline"], timed["one pass, offline"], timed["online"]
+    epochs, rows = settings["training"]["epochs"], plan["training_tokens"]
+    assert online["recapture_tokens"] == epochs * rows and online["prefill_tokens"] == 0  # every row, every epoch
+    assert offline["prefill_tokens"] == rows and one_pass["prefill_tokens"] == 0
+    assert one_pass["model_loads"] == offline["model_loads"] - 1  # no extraction load
+    rates = plan["rates"]
+    saved_s = rows / rates["prefill_tokens_per_s"]["value"] + rates["load_s"]["value"]
+    assert offline["hours"] - one_pass["hours"] == pytest.approx(saved_s / 3600, abs=0.02)
+    assert online["hours"] > offline["hours"] > one_pass["hours"]
+    assert one_pass["gpu_hours"] == pytest.approx(one_pass["hours"] * 8, rel=0.01)
+    assert all(rate["source"] for rate in rates.values())
+    table = format_plan(plan)
+    assert "one pass, offline" in table and "rate: prefill" in table
+    print(table)
+
+
+def test_a_finished_run_measures_its_own_rates(tmp_path):
+    """Once generation has run, its tokens over its benchmarked seconds (less the load its
+    log reports) replace the table's decode figure, and the load time is the run's own."""
+    settings = kimi_settings(tmp_path)
+    results = tmp_path / "results"
+    (results / "completions").mkdir(parents=True)
+    rows = [{"id": f"q{i}", "prompt_tokens": 100, "completion_tokens": 400} for i in range(10)]
+    (results / "completions" / "shard_0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (results / "benchmarks/generate").mkdir(parents=True)
+    (results / "benchmarks/generate/shard_0.tsv").write_text("s\th:m:s\n140.0\t0:02:20\n")
+    (results / "logs/generate").mkdir(parents=True)
+    (results / "logs/generate/shard_0.log").write_text("[t] server ready at http://127.0.0.1:1/v1 after 40s\n")
+    rates = plan_for(RunConfig.from_dict(settings), results)["rates"]
+    assert rates["decode_tokens_per_s"] == {"value": 40.0, "source": "measured: this run's generation"}
+    assert rates["load_s"]["value"] == 40.0 and rates["load_s"]["source"].startswith("measured")
+    assert not rates["prefill_tokens_per_s"]["source"].startswith("measured")  # no extraction yet

@@ -24,7 +24,8 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.layout import Layout
 from draftsmith.progress import log
 from draftsmith.run_config import RunConfig
-from draftsmith.target import read_target_shape
+from draftsmith.target import read_target_config, read_target_shape
+from draftsmith.throughputs import Rates, active_parameters, measured_rates, table_rates
 
 # The share of the free disk a suggested budget takes: the rest is for checkpoints and logs.
 FREE_DISK_SHARE = 0.9
@@ -122,7 +123,7 @@ def plan_for(settings: RunConfig, results: Path) -> dict[str, Any]:
     modes = storage_modes(
         settings, train, row_bytes(round(per_row), layers, hidden, fp8, value_bytes), free_disk + written_bytes
     )
-    return {
+    plan = {
         "questions_train": train,
         "questions_heldout": heldout,
         "questions_counted_from": counted_from,
@@ -149,6 +150,12 @@ def plan_for(settings: RunConfig, results: Path) -> dict[str, Any]:
         "gpus_per_server": settings.server.gpus,
         "done": done,
     }
+    active = active_parameters(read_target_config(settings.target.model))
+    rates = measured_rates(results, table_rates(settings.device, settings.gpu_slot, active), settings.training.epochs)
+    plan["active_parameters"] = active
+    plan["rates"] = rates.to_json()
+    plan["timed_modes"] = timed_modes(plan, settings, rates)
+    return plan
 
 
 def in_flight_rows(settings: RunConfig) -> int:
@@ -160,23 +167,29 @@ def in_flight_rows(settings: RunConfig) -> int:
     return settings.trainer_processes * max(workers, 1)
 
 
-def storage_mode(name: str, settings: RunConfig, rows: int, stored: int, each: int) -> dict[str, Any]:
-    """``each``: the bytes of a stored row of the average length."""
+def storage_mode(
+    name: str, settings: RunConfig, rows: int, stored: int, each: int, one_pass: bool = False
+) -> dict[str, Any]:
+    """``each``: the bytes of a stored row of the average length. In one pass the stored
+    rows come from generation's own load: no extraction job loads the target."""
     captured = rows - stored
     in_flight = min(in_flight_rows(settings), captured)
+    extraction_loads = settings.extraction.shards if stored and not one_pass else 0
     return {
         "mode": name,
+        "one_pass": one_pass,
         "rows_stored": stored,
         "stored_bytes": stored * each,
         "peak_disk_bytes": (stored + in_flight) * each,
         "capture_passes": captured * settings.training.epochs,
-        "model_loads": (settings.extraction.shards if stored else 0) + (1 if captured else 0),
+        "model_loads": extraction_loads + (1 if captured else 0),
     }
 
 
 def storage_modes(settings: RunConfig, rows: int, each: int, disk: int) -> list[dict[str, Any]]:
     """Offline, the configured budget, the largest budget the disk holds (when offline
-    does not fit), and online: what each stores and captures (rows of ``each`` bytes)."""
+    does not fit), and online: what each stores and captures (rows of ``each`` bytes); and
+    the storing ones again in one pass (hidden_states.capture: during_generation)."""
     modes = [storage_mode("offline", settings, rows, rows, each)]
     budget = settings.hidden_states.limited_budget
     if budget not in (None, 0):
@@ -186,13 +199,57 @@ def storage_modes(settings: RunConfig, rows: int, each: int, disk: int) -> list[
         stored = min(max(fitting, 0) // each, rows)
         fits = storage_mode("budget that fits", settings, rows, stored, each)
         modes.append(fits | {"budget_bytes": stored * each})
-    return modes + [storage_mode("online", settings, rows, 0, each)]
+    one_pass = [
+        storage_mode(f"one pass, {mode['mode']}", settings, rows, mode["rows_stored"], each, one_pass=True)
+        | ({"budget_bytes": mode["budget_bytes"]} if "budget_bytes" in mode else {})
+        for mode in modes
+    ]
+    return modes + [storage_mode("online", settings, rows, 0, each)] + one_pass
+
+
+def timed_modes(plan: dict[str, Any], settings: RunConfig, rates: Rates) -> list[dict[str, Any]]:
+    """Each storage mode in tokens through the target and the trainer, and in hours of the
+    heavy slot (generation, extraction and training; the evaluation is the same in all).
+    A capture server shares the slot with the trainer, so their times add up."""
+    rows = max(plan["questions_train"], 1)
+    per_row = plan["training_tokens"] / rows
+    epochs = settings.training.epochs
+    generation_loads = plan["model_loads"]["generation"]
+    timed = []
+    for mode in plan["storage_modes"]:
+        prefill = 0 if mode["one_pass"] else round(mode["rows_stored"] * per_row)
+        recapture = round(mode["capture_passes"] * per_row)
+        trainer = plan["training_tokens"] * epochs
+        loads = generation_loads + mode["model_loads"]
+        seconds = {
+            "generation": plan["completion_tokens"] / rates.decode_tokens_per_s.value,
+            "extraction": prefill / rates.prefill_tokens_per_s.value,
+            "training": trainer / rates.train_tokens_per_s.value + recapture / rates.prefill_tokens_per_s.value,
+            "loads": loads * rates.load_s.value,
+        }
+        hours = sum(seconds.values()) / 3600
+        timed.append(
+            {
+                "mode": mode["mode"],
+                "model_loads": loads,
+                "decode_tokens": plan["completion_tokens"],
+                "prefill_tokens": prefill,
+                "recapture_tokens": recapture,
+                "trainer_tokens": trainer,
+                "hours_by_stage": {stage: round(s / 3600, 2) for stage, s in seconds.items()},
+                "hours": round(hours, 2),
+                "gpu_hours": round(hours * settings.gpu_slot, 1),
+            }
+        )
+    return timed
 
 
 def configured_mode(plan: dict[str, Any], settings: RunConfig) -> dict[str, Any]:
     """The storage mode this config runs in (``storage_modes``' row for it)."""
     budget = settings.hidden_states.limited_budget
     name = "offline" if budget is None else "online" if budget == 0 else CONFIGURED_BUDGET
+    if settings.hidden_states.during_generation and budget != 0:
+        name = f"one pass, {name}"
     return next(mode for mode in plan["storage_modes"] if mode["mode"] == name)
 
 
@@ -230,7 +287,7 @@ def storage_rows(plan: dict[str, Any]) -> list[tuple[str, str]]:
                 f"{mode['capture_passes']:,} / {mode['model_loads']}",
             )
         )
-        if "budget_bytes" in mode:
+        if "budget_bytes" in mode and not mode["one_pass"]:
             share = mode["rows_stored"] / max(plan["questions_train"], 1)
             rows.append(
                 (
@@ -239,6 +296,36 @@ def storage_rows(plan: dict[str, Any]) -> list[tuple[str, str]]:
                     "of the rows, captures the rest in every epoch) or 0 (online)",
                 )
             )
+    return rows
+
+
+def tokens_text(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def time_rows(plan: dict[str, Any]) -> list[tuple[str, str]]:
+    """Hours per storage mode, and the rates behind them with their sources."""
+    rows = [
+        ("time in the heavy slot (mode)", "hours / GPU-hours: loads; decode / prefill / re-captured / trained tokens")
+    ]
+    for mode in plan["timed_modes"]:
+        rows.append(
+            (
+                f"  {mode['mode']}",
+                f"{mode['hours']:,.1f} h / {mode['gpu_hours']:,.0f} GPU-h: {mode['model_loads']} loads; "
+                + " / ".join(
+                    tokens_text(mode[key])
+                    for key in ("decode_tokens", "prefill_tokens", "recapture_tokens", "trainer_tokens")
+                ),
+            )
+        )
+    names = {"decode_tokens_per_s": "decode", "prefill_tokens_per_s": "prefill", "train_tokens_per_s": "trainer"}
+    for key, rate in plan["rates"].items():
+        value = f"{rate['value']:,.0f} s per load" if key == "load_s" else f"{rate['value']:,.0f} tokens/s"
+        rows.append((f"  rate: {names.get(key, 'model load')}", f"{value} ({rate['source']})"))
     return rows
 
 
@@ -270,6 +357,7 @@ def format_plan(plan: dict[str, Any]) -> str:
             f"{' + untrained' if plan['compare_untrained'] else ''})",
         ),
         *storage_rows(plan),
+        *time_rows(plan),
         ("GPU slot (GPUs per heavy job) / TP x DP", f"{plan['gpu_slot']} / {plan['gpus_per_server']}"),
         ("done: generation shards / answers staged", f"{done['generation_shards_done']} / {done['answers_staged']:,}"),
         (

@@ -274,6 +274,7 @@ PLAN_READS = (
     "extraction.shards",
     "hidden_states.disk_budget",
     "hidden_states.stored_dtype",
+    "hidden_states.capture",
     "training.epochs",
     "training.total_seq_len",
     "training.extra_args",
