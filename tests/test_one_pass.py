@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import server_settings
+from conftest import heavy_processes_after, server_settings
 from safetensors.torch import load_file, save_file
 from test_generate import GENERATION, write_questions
 
@@ -48,6 +52,23 @@ def one_pass_settings(model: Path, capture: str = "during_generation", budget: s
     }
 
 
+def kill_generation_after(answers: int, settings: dict, work: Path, staging: Path) -> int:
+    """SIGKILL the generation stage (its whole group) once ``answers`` are recorded; the
+    server's guard stops the server. Returns how many answers were recorded by then."""
+    records = staging / "records.jsonl"
+    command = [sys.executable, "-m", "draftsmith.generate", "--settings", json.dumps(settings)]
+    command += ["--questions", str(work / "q.jsonl"), "--staging", str(staging), "--output", str(work / "x.jsonl")]
+    process = subprocess.Popen(command, start_new_session=True, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while not (records.exists() and len(records.read_text().splitlines()) >= answers):
+        assert process.poll() is None and time.monotonic() < deadline, "the generation ended before the kill"
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert heavy_processes_after(20) == []
+    return len(records.read_text().splitlines())
+
+
 @pytest.fixture(scope="module")
 def one_pass_run(demo_target, tmp_path_factory):
     """Generation in one pass (one server load), the dataset, then the extraction of the
@@ -57,7 +78,9 @@ def one_pass_run(demo_target, tmp_path_factory):
     write_questions(work / "q.jsonl", QUESTIONS)
     settings = RunConfig.from_dict(one_pass_settings(demo_target))
     generation = work / "generation"
+    killed_after = kill_generation_after(3, one_pass_settings(demo_target), work, generation)
     generate.run(settings, work / "q.jsonl", generation, work / "completions.jsonl", None)
+    (work / "killed_after.json").write_text(json.dumps(killed_after))
     dataset.run(settings, [work / "completions.jsonl"], work / "dataset_staging", work / "dataset")
     started = time.monotonic()
     adopted = extract.run(settings, work / "dataset", 0, 1, work / "hs_staging", work / "hs", captures=[generation])
@@ -111,6 +134,20 @@ def test_captured_states_equal_the_prefill_extraction_at_every_layer(one_pass_ru
             assert error < TOLERANCE, f"{path.name} layer {LAYERS[layer]}: {error:.4f}"
             worst = max(worst, error)
     print(f"decode vs prefill, worst relative error over every layer: {worst:.2e}")
+
+
+@pytest.mark.vllm
+def test_a_killed_generation_keeps_its_answers_and_their_states(one_pass_run):
+    """Killed mid-generation, the rerun asked only for the rest, and every answer has its
+    states exactly once (a file staged before its record was written is dropped, and its
+    question asked again)."""
+    work, _, _ = one_pass_run
+    killed_after = json.loads((work / "killed_after.json").read_text())
+    summary = json.loads((work / "generation/summary.json").read_text())
+    assert 3 <= killed_after < QUESTIONS and summary["asked_this_run"] == QUESTIONS - killed_after
+    records = (work / "generation/records.jsonl").read_text().splitlines()
+    assert len(records) == QUESTIONS
+    assert len(list((work / "generation" / CAPTURES).iterdir())) == QUESTIONS
 
 
 @pytest.mark.vllm

@@ -136,7 +136,7 @@ def test_kimi_at_600k_questions_plans_offline_a_budget_that_fits_and_online(tmp_
 def test_a_configured_budget_is_planned_beside_offline_and_online(tmp_path, stored_dtype):
     settings = kimi_settings(tmp_path)
     each = row_bytes(8192, 4, 7168, fp8=stored_dtype == "fp8")
-    settings["hidden_states"] = {"disk_budget": 1000 * each, "stored_dtype": stored_dtype}
+    settings["hidden_states"] |= {"disk_budget": 1000 * each, "stored_dtype": stored_dtype}
     modes = modes_by_name(plan_for(RunConfig.from_dict(settings), tmp_path / "results"))
     assert modes["budget (configured)"]["rows_stored"] == 1000
     assert modes["budget (configured)"]["stored_bytes"] == 1000 * each
@@ -147,7 +147,7 @@ def test_a_configured_budget_is_planned_beside_offline_and_online(tmp_path, stor
 def test_fp8_storage_plans_about_half_the_bytes_with_its_scales(tmp_path):
     settings = kimi_settings(tmp_path)
     served = plan_for(RunConfig.from_dict(settings), tmp_path / "results")
-    settings["hidden_states"] = {"disk_budget": "all", "stored_dtype": "fp8"}
+    settings["hidden_states"] |= {"disk_budget": "all", "stored_dtype": "fp8"}
     fp8 = plan_for(RunConfig.from_dict(settings), tmp_path / "results")
     tokens = fp8["training_tokens"]
     assert fp8["hidden_state_bytes"] == tokens * (4 * 7168 + 4) == served["hidden_state_bytes"] // 2 + tokens * 4

@@ -162,7 +162,7 @@ def test_the_production_plan_shows_only_its_own_results_dir(demo_run):
     assert table["hidden states"].startswith("4.2 TiB")
     assert table["questions (train / held out)"].startswith("9,800 / 200 (config")
     assert table["done: generation shards / answers staged"] == "0 / 0"
-    assert table["done: extraction shards / files staged"] == "0 / 0"
+    assert table["done: extraction shards / files staged / captured in one pass"] == "0 / 0 / 0"
     assert table["done: drafter / evaluation"] == "no / no"
     assert (demo_run / "results/kimi-k2.5-int4/logs/plan.log").is_file()
 

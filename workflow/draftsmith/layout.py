@@ -111,6 +111,10 @@ class Layout:
     def staged_answer_files(self) -> list[Path]:
         return sorted(self.staging_for("completions").glob(f"{SHARD_GLOB}/{GENERATION_RECORDS}"))
 
+    def captured_state_files(self) -> list[Path]:
+        """One pass: the answers' states the generation shards staged."""
+        return sorted(self.staging_for("completions").glob(f"{SHARD_GLOB}/{CAPTURES}/*.safetensors"))
+
     def extracted_shards(self) -> list[Path]:
         return sorted(p for p in self.hidden_states.glob(SHARD_GLOB) if p.is_dir())
 

@@ -92,6 +92,7 @@ def _done(layout: Layout) -> dict[str, Any]:
         "answers_staged": sum(_count_lines(p) for p in layout.staged_answer_files()),
         "extraction_shards_done": len(layout.extracted_shards()),
         "hidden_state_files_staged": len(layout.hidden_state_files(staged=True)),
+        "states_captured_during_generation": len(layout.captured_state_files()),
         "drafter_done": layout.drafter.is_dir(),
         "evaluation_done": layout.acceptance.is_file(),
     }
@@ -141,7 +142,8 @@ def plan_for(settings: RunConfig, results: Path) -> dict[str, Any]:
         "storage_modes": modes,
         "model_loads": {
             "generation": 0 if external else settings.questions.shards,
-            "extraction": settings.extraction.shards,
+            # One pass: the generation server saved the stored rows; extraction loads nothing.
+            "extraction": 0 if settings.hidden_states.during_generation else settings.extraction.shards,
             "evaluation": evaluation_loads(settings),
         },
         "draft_lengths": len(settings.evaluation.draft_lengths),
@@ -361,8 +363,9 @@ def format_plan(plan: dict[str, Any]) -> str:
         ("GPU slot (GPUs per heavy job) / TP x DP", f"{plan['gpu_slot']} / {plan['gpus_per_server']}"),
         ("done: generation shards / answers staged", f"{done['generation_shards_done']} / {done['answers_staged']:,}"),
         (
-            "done: extraction shards / files staged",
-            f"{done['extraction_shards_done']} / {done['hidden_state_files_staged']:,}",
+            "done: extraction shards / files staged / captured in one pass",
+            f"{done['extraction_shards_done']} / {done['hidden_state_files_staged']:,}"
+            f" / {done['states_captured_during_generation']:,}",
         ),
         (
             "done: drafter / evaluation",
