@@ -2,7 +2,7 @@
 
     python -m draftsmith.extract --settings '{"target": ..., "server": ..., "layers": ...,
         "extraction": ..., "device": ...}' --dataset DATASET_DIR --shard I --num-shards N
-        --staging STAGING_DIR --output OUTPUT_DIR [--granted-gpus G]
+        --staging STAGING_DIR --output OUTPUT_DIR [--granted-gpus G] [--captures DIR ...]
 
 Shard I of N is a contiguous range of the stored dataset rows: all rows, or the leading
 rows that fit ``hidden_states.disk_budget`` (``disk_budget``; training captures the rest,
@@ -15,6 +15,11 @@ when every row is staged and the whole shard passes the gate again are the files
 published: hard-linked (no bytes copied) into a fresh sibling of ``--output`` that is
 then renamed to ``--output`` in one step, so the output directory appears complete or
 not at all, and the staged copy survives Snakemake deleting the output before a rerun.
+
+In one pass (``hidden_states.capture: during_generation``, ``--captures`` naming the
+generation shards' staging directories) the rows generation captured are linked into the
+staging first (``one_pass.adopt_captures``); only the others are requested, and a shard whose
+every row was captured starts no server.
 
 The order of the work, the retries and the error budget (none: every row must be there)
 are those of every server stage (``server_stage``); what is this stage's own is below.

@@ -16,6 +16,9 @@ must follow this workflow's rules:
 The order of the work, the retries and the error budget are those of every server
 stage (``server_stage``); what is this stage's own is below.
 
+In one pass (``hidden_states.capture: during_generation``) the server is an extraction
+server too, and each answer's hidden states are staged with it (``one_pass.CaptureSpool``).
+
 The token ids are the model's own: reasoning stays wrapped in its think tags
 exactly as generated (the hand-run scripts lost that wrapper).
 """
