@@ -72,6 +72,7 @@ MATRIX = [
     ("hidden_states.disk_budget", "1 MB"),  # part of the rows stored, the rest captured
     ("hidden_states.disk_budget", 0),  # fully online: no extraction job
     ("hidden_states.stored_dtype", "fp8"),
+    ("hidden_states.capture", "during_generation"),  # one pass: generation saves the states
     ("hidden_states.capture_memory_fraction", 0.6),
     ("training.epochs", 16),
     ("training.lr", 0.001),

@@ -84,6 +84,9 @@ def small_demo(workdir: Path, target: Path) -> Path:
     config["target"].update(model=str(target), build_demo=False)  # the suite's, built once
     config["questions"].update(limit=160, heldout=20)
     config["training"]["epochs"] = 3
+    # One pass: each generation job saves its answers' states; the extraction jobs adopt
+    # them across generation shards and load no target.
+    config.setdefault("hidden_states", {})["capture"] = "during_generation"
     config["evaluation"].update(
         num_speculative_tokens=3, concurrency=8, sampled=False, compare_untrained=False, sets={}
     )
@@ -210,6 +213,21 @@ def test_the_same_questions_as_a_local_run(slurm_run, local_questions):
     ]
     assert all(m["vllm_layer_ids"] == [2, 3, 5, 6] for m in manifests)
     assert len(list((results / "hidden_states/all").glob("hs_*.safetensors"))) == len(row_ids)
+
+
+def test_in_one_pass_each_extraction_job_adopted_rows_of_both_generation_jobs(slurm_run):
+    """The generation jobs (two SLURM jobs) saved their answers' states; each extraction job
+    found its rows' files in either generation shard's staging and started no server."""
+    workdir, _ = slurm_run
+    results = workdir / "results"
+    for shard in range(SHARDED["extract"]):
+        manifest = json.loads((results / f"hidden_states/shard_{shard}/manifest.json").read_text())
+        assert manifest["captured_during_generation"] == {"adopted": manifest["num_rows"]}, manifest
+        assert "starting vLLM" not in (results / f"logs/extract/shard_{shard}.log").read_text()
+    row_ids = RowIds.read(results / "dataset").ids
+    by_shard = [set(ids(results / f"completions/shard_{shard}.jsonl")) for shard in range(SHARDED["generate"])]
+    first_extraction_shard = row_ids[: len(row_ids) // 2]
+    assert all(any(question in shard for question in first_extraction_shard) for shard in by_shard)
 
 
 def test_the_drafter_was_served_and_drafted(slurm_run):
