@@ -158,6 +158,7 @@ def test_a_finished_shard_is_rerun_without_asking_or_capturing_again(one_pass_ru
     generate.run(settings, work / "q.jsonl", work / "generation", work / "again.jsonl", None)
     assert "starting vLLM" not in capfd.readouterr().err
     assert sorted(p.stat().st_ino for p in (work / "generation" / CAPTURES).iterdir()) == before
+    assert not (work / "generation/vllm").exists()
     assert (work / "again.jsonl").read_text() == (work / "completions.jsonl").read_text()
 
 

@@ -270,9 +270,8 @@ def capture_spool(settings: RunConfig, staging: Path, answered: dict[str, Any]) 
             "remove generation.endpoint or set capture: separate"
         )
     plan, shape = target_shape(settings)
-    storage = staging / VLLM_STORAGE_DIR
+    storage = staging / VLLM_STORAGE_DIR  # made when the server starts, removed when it stops
     shutil.rmtree(storage, ignore_errors=True)  # leftovers of a killed server
-    storage.mkdir(parents=True)
     spool = CaptureSpool(staging, settings.capture_share, shape.check)
     spool.resume(answered)
     return spool, extraction_server_args(plan, storage, shape)
@@ -309,6 +308,8 @@ def run(
     if todo:
         writer = RecordWriter(records_path)
         started = time.monotonic()
+        if one_pass:
+            (staging / VLLM_STORAGE_DIR).mkdir()
         try:
             spec = ServerSpec.from_config(settings, extra_args=server_args)
             imports = (SPECULATORS_GENERATION, SPECULATORS_CLIENT)
