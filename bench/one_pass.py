@@ -13,7 +13,12 @@ differs. Recorded per run, from the run's own files:
 - the drafter's acceptance length (greedy, the config's default draft length) and the
   first-position validation accuracy of its last epoch.
 
-    python bench/one_pass.py [--work results/bench_one_pass]
+With ``--real-model N`` it also runs ``config/smollm2-sharegpt.yaml`` in one pass for N
+training questions up to the extraction (the real model on ShareGPT, ChatML special tokens;
+`make real-data` first, and the target converted by ``bench/real_model.py``) and records how
+many of its rows matched their captured ids.
+
+    python bench/one_pass.py [--work results/bench_one_pass] [--real-model 60]
 
 Each run is a plain Snakemake run, so an interrupted bench resumes where it stopped.
 """
@@ -22,7 +27,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import yaml
@@ -46,10 +50,9 @@ def mode_config(base: dict, mode: str, work: Path) -> dict:
     return config
 
 
-def run(config: dict, mode: str, work: Path, cores: str) -> float:
+def run(config: dict, mode: str, work: Path, cores: str) -> None:
     config_path = work / f"{mode}.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    started = time.monotonic()
     with (work / f"{mode}.snakemake.log").open("a") as log:
         done = subprocess.run(
             [
@@ -69,7 +72,6 @@ def run(config: dict, mode: str, work: Path, cores: str) -> float:
         )
     if done.returncode != 0:
         raise SystemExit(f"the {mode} run failed; see {work / f'{mode}.snakemake.log'}")
-    return round(time.monotonic() - started, 1)
 
 
 def benchmark_seconds(path: Path) -> float:
@@ -119,25 +121,74 @@ def measured(config: dict) -> dict:
     }
 
 
+REAL_CONFIG = ROOT / "config/smollm2-sharegpt.yaml"
+REAL_TARGET = ROOT / "results/bench_real_model/target"  # bench/real_model.py converts it once
+
+
+def real_model_rows(questions: int, work: Path, cores: str) -> dict:
+    """The real model in one pass up to the extraction: answers captured, rows adopted or
+    requested by prefill (and why), and the generation's seconds and loads."""
+    config = yaml.safe_load(REAL_CONFIG.read_text())
+    config["results_dir"] = str(work / "smollm2")
+    config["target"] = {"model": str(REAL_TARGET)}
+    config["questions"]["limit"] = questions + config["questions"]["heldout"]
+    config["hidden_states"] = {"capture": "during_generation"}
+    config_path = work / "smollm2.yaml"
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    layout = Layout(config["results_dir"])
+    targets = [str(layout.hidden_state_shard(shard)) for shard in range(config["extraction"]["shards"])]
+    with (work / "smollm2.snakemake.log").open("a") as log:
+        done = subprocess.run(
+            [sys.executable, "-m", "snakemake", *targets, "--cores", cores, "--resources", "gpu=8"]
+            + ["--configfile", str(config_path)],  # last: it takes every value after it
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    if done.returncode != 0:
+        raise SystemExit(f"the real-model run failed; see {work / 'smollm2.snakemake.log'}")
+    manifests = [ShardManifest.read(shard) for shard in layout.extracted_shards()]
+    summaries = [json.loads(p.read_text()) for p in layout.staging_for("completions").glob("shard_*/summary.json")]
+    outcomes: dict[str, int] = {}
+    for manifest in manifests:
+        for outcome, n in (manifest.captured_during_generation or {}).items():
+            outcomes[outcome] = outcomes.get(outcome, 0) + n
+    return {
+        "config": str(REAL_CONFIG.relative_to(ROOT)),
+        "training_questions": questions,
+        "answers": sum(s["answered"] for s in summaries),
+        "answers_with_states": sum(s["states_captured"]["answers"] for s in summaries),
+        "rows": sum(m.num_rows for m in manifests if m),
+        "rows_by_source": outcomes,
+        "generation_s": round(
+            sum(benchmark_seconds(p) for p in (layout.results / "benchmarks/generate").glob("*.tsv")), 1
+        ),
+        "extraction_servers_started": servers_started(sorted((layout.logs / "extract").glob("*.log"))),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=ROOT / "results/bench_one_pass")
     parser.add_argument("--cores", default="all")
+    parser.add_argument("--real-model", type=int, default=0, help="training questions of the real-model run")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     base = yaml.safe_load(CONFIG.read_text())
     runs = {}
     for mode in MODES:
         config = mode_config(base, mode, args.work)
-        wall = run(config, mode, args.work, args.cores)
-        runs[mode] = {"wall_s_this_call": wall, **measured(config)}
+        run(config, mode, args.work, args.cores)  # a finished run is not run again
+        runs[mode] = measured(config)
         print(json.dumps({mode: runs[mode]}, indent=1), flush=True)
     separate, one_pass = runs["separate"], runs["during_generation"]
+    real = real_model_rows(args.real_model, args.work, args.cores) if args.real_model else None
     write_result(
         "one_pass",
         {
             "config": str(CONFIG.relative_to(ROOT)),
             "runs": runs,
+            "real_model": real,
             "saved_s": round(separate["generation_plus_extraction_s"] - one_pass["generation_plus_extraction_s"], 1),
             "loads_saved": sum(separate["model_loads"].values()) - sum(one_pass["model_loads"].values()),
             "acceptance_difference": round(one_pass["acceptance_length"] - separate["acceptance_length"], 4),
