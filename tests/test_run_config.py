@@ -98,7 +98,7 @@ def test_the_demo_config_reads_as_typed_values():
     assert run.hidden_states.limited_budget is None and not run.hidden_states.fp8
     assert run.trainer_processes == 1  # a CPU run trains in one process whatever gpu_slot says
     deepseek = RunConfig.from_dict(validated(ROOT / "config/deepseek-v3-tiny.yaml"))
-    assert deepseek.hidden_states.fp8 and deepseek.hidden_states.limited_budget == 13_000_000
+    assert deepseek.hidden_states.fp8 and deepseek.hidden_states.limited_budget == 14_500_000
 
 
 def test_an_evaluation_set_gets_the_defaults_the_schema_cannot_fill_in():
