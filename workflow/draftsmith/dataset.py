@@ -150,8 +150,8 @@ def captured_rows_first(prepared: Path, row_ids: list[str], captured: set[str], 
     budget stores leading rows, so it stores captured ones and requests nothing again."""
     from datasets import load_from_disk
 
-    order = [row for row, question in enumerate(row_ids) if question in captured]
-    order += [row for row, question in enumerate(row_ids) if question not in captured]
+    leading = [row for row, question in enumerate(row_ids) if question in captured]
+    order = leading + [row for row, question in enumerate(row_ids) if question not in captured]
     if order != list(range(len(order))):
         reordered = staging / "reordered"
         shutil.rmtree(reordered, ignore_errors=True)
@@ -160,9 +160,8 @@ def captured_rows_first(prepared: Path, row_ids: list[str], captured: set[str], 
         shutil.rmtree(prepared)
         reordered.rename(prepared)
         row_ids = [row_ids[row] for row in order]
-    leading = sum(question in captured for question in row_ids)
-    CapturedRows(captured=leading, rows=len(row_ids)).write(prepared)
-    log(f"one pass: {leading} of {len(row_ids)} rows have states captured during generation; they come first")
+    CapturedRows(captured=len(leading), rows=len(row_ids)).write(prepared)
+    log(f"one pass: {len(leading)} of {len(row_ids)} rows have states captured during generation; they come first")
     return row_ids
 
 

@@ -20,7 +20,7 @@ import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 from draftsmith.atomic import atomic_write_text
 from draftsmith.layout import CAPTURED_ROWS, ROW_IDS, SHARD_MANIFEST, TRAINING_METRICS
@@ -35,6 +35,20 @@ class _Record:
     @classmethod
     def from_json(cls, text: str) -> Self:
         return cls(**json.loads(text))
+
+
+class _FileRecord(_Record):
+    """A record kept as one named file in a stage's output directory."""
+
+    FILE_NAME: ClassVar[str]
+
+    def write(self, directory: Path) -> None:
+        atomic_write_text(directory / self.FILE_NAME, self.to_json())
+
+    @classmethod
+    def read(cls, directory: Path) -> Self | None:
+        path = directory / cls.FILE_NAME
+        return cls.from_json(path.read_text()) if path.is_file() else None
 
 
 @dataclass(frozen=True)
@@ -53,25 +67,19 @@ class RowIds:
 
 
 @dataclass(frozen=True)
-class CapturedRows(_Record):
+class CapturedRows(_FileRecord):
     """One pass: the dataset's leading ``captured`` rows had their states saved by the
     generation server (``dataset/captured_rows.json``; the dataset puts them first). A disk
     budget stores at most these; the extraction stage adopts their files."""
 
+    FILE_NAME: ClassVar[str] = CAPTURED_ROWS
     captured: int
     rows: int
 
-    def write(self, dataset: Path) -> None:
-        atomic_write_text(dataset / CAPTURED_ROWS, self.to_json())
-
-    @classmethod
-    def read(cls, dataset: Path) -> CapturedRows | None:
-        path = dataset / CAPTURED_ROWS
-        return cls.from_json(path.read_text()) if path.is_file() else None
-
 
 @dataclass(frozen=True)
-class ShardManifest(_Record):
+class ShardManifest(_FileRecord):
+    FILE_NAME: ClassVar[str] = SHARD_MANIFEST
     items_fingerprint: str  # the settings every file was made under (settings.item_settings)
     rows: list[int]  # [first, past the last] dataset row of the shard
     num_rows: int
@@ -88,14 +96,6 @@ class ShardManifest(_Record):
     # One pass: rows by how they got their states (adopted from generation, or requested
     # by prefill and why); None for a separate extraction.
     captured_during_generation: dict[str, int] | None = None
-
-    def write(self, shard: Path) -> None:
-        atomic_write_text(shard / SHARD_MANIFEST, self.to_json())
-
-    @classmethod
-    def read(cls, shard: Path) -> ShardManifest | None:
-        path = shard / SHARD_MANIFEST
-        return cls.from_json(path.read_text()) if path.is_file() else None
 
 
 @dataclass(frozen=True)
