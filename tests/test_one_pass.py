@@ -196,6 +196,16 @@ def test_the_spool_keeps_good_files_within_the_share_and_resumes(tmp_path):
         asyncio.run(small.keep(question, str(path), [1, 2, 3]))
     assert small.kept == 1 and not any((tmp_path / "small" / "vllm").iterdir())
 
+    # Answers finish together: while one is being gated, the others count its bytes.
+    together = CaptureSpool(tmp_path / "together", share=size + size // 2, check=gate)
+    paths = [write_states(tmp_path / "together" / "vllm" / f"{n}.safetensors", [1, 2, 3]) for n in range(4)]
+
+    async def finish_together():
+        return await asyncio.gather(*(together.keep(f"q-{n}", str(p), [1, 2, 3]) for n, p in enumerate(paths)))
+
+    assert sorted(asyncio.run(finish_together())) == [False, False, False, True]
+    assert together.bytes == size and len(list((tmp_path / "together" / CAPTURES).iterdir())) == 1
+
     # Resume: a file whose answer was never recorded goes; a shrunken share drops the rest.
     orphan = write_states(captured_state_file(tmp_path / "gen", "q-x"), [5])
     resumed = CaptureSpool(tmp_path / "gen", share=None, check=gate)

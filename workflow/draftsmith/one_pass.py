@@ -98,6 +98,7 @@ class CaptureSpool:
         if vllm_path is None:
             self.skipped["no file from the server"] += 1
             return False
+        reserved = 0
         try:
             if os.path.exists(vllm_path + ".lock"):
                 from speculators.data_generation.vllm_client import wait_for_lock_async
@@ -107,15 +108,19 @@ class CaptureSpool:
             if self.share is not None and self.bytes + size > self.share:
                 self.skipped["past the disk budget's share"] += 1
                 return False
+            # Reserved before the gate awaits: answers finish concurrently, and each must
+            # see the bytes of the others still being gated, or together they pass the share.
+            reserved = size
+            self.bytes += reserved
             await asyncio.to_thread(self._check, Path(vllm_path), token_ids)
             os.replace(vllm_path, captured_state_file(self.staging, question_id))
         except (BadSample, OSError, TimeoutError) as error:
+            self.bytes -= reserved
             self.skipped[type(error).__name__] += 1
             log(f"one pass: states of {question_id} not kept ({error}); a prefill will request them")
             return False
         finally:
             discard_states(vllm_path)  # what is left: the file when it was not kept, its lock file
-        self.bytes += size
         self.kept += 1
         return True
 
