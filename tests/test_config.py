@@ -129,6 +129,16 @@ def test_snakemake_reports_a_bad_config_in_one_line_without_the_schema(change, e
         (lambda c: c["generation"].update(max_tokens=512), "generation.max_tokens 512 is not below"),
         (lambda c: c["evaluation"].update(max_tokens=4096), "evaluation.max_tokens 4096 is not below"),
         (lambda c: c["dataset"].update(seq_length=600), "max_model_len 512 is below dataset.seq_length + 1 = 601"),
+        (lambda c: c["training"].update(kinds=["dflash"]), "training.kinds ['dflash'] lacks eagle3"),
+        # What vLLM 0.32's CPU build cannot serve is refused on a CPU, with vLLM's reason.
+        (
+            lambda c: c["training"].update(kinds=["eagle3", "dspark"]),
+            "dspark is served only on cuda by vLLM 0.32 (vLLM's V1 model runner refuses",
+        ),
+        (
+            lambda c: c["training"].update(kinds=["eagle3", "xpress"]),
+            "xpress is served on no device by vLLM 0.32 (vLLM 0.32 has no speculative method",
+        ),
     ],
 )
 def test_settings_that_cannot_work_together_are_named(change, problem):
@@ -145,3 +155,29 @@ def test_every_key_is_documented():
     readme = (ROOT / "config" / "README.md").read_text()
     documented = set(re.findall(r"^\| `([a-z_.]+)` \|", readme, flags=re.M))
     assert set(schema_keys(schema)) <= documented
+
+
+def test_each_kind_is_refused_exactly_where_vllm_cannot_serve_it():
+    """On a CPU: eagle3, dflash and peagle plan; dflash2 and dspark only on CUDA; xpress and
+    mtp nowhere. Each refusal names the kinds that the device does serve."""
+    config = copy.deepcopy(load("config.yaml"))
+    validate(config, SCHEMA)
+    refused = {}
+    for device in ("cpu", "cuda"):
+        for kind in ("dflash", "peagle", "dflash2", "dspark", "xpress", "mtp"):
+            changed = copy.deepcopy(config)
+            changed.update(device=device)
+            changed["training"]["kinds"] = ["eagle3", kind]
+            problems = cross_field_problems(RunConfig.from_dict(changed))
+            if problems:
+                (refused[device, kind],) = problems
+    assert sorted(refused) == [
+        ("cpu", "dflash2"),
+        ("cpu", "dspark"),
+        ("cpu", "mtp"),
+        ("cpu", "xpress"),
+        ("cuda", "mtp"),
+        ("cuda", "xpress"),
+    ]
+    assert refused["cpu", "dspark"].endswith("on device cpu use dflash, eagle3, peagle")
+    assert refused["cuda", "xpress"].endswith("on device cuda use dflash, dflash2, dspark, eagle3, peagle")

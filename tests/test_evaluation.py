@@ -22,7 +22,7 @@ from draftsmith.evaluate import (
     relative_spread,
 )
 from draftsmith.evaluation_report import tables_html
-from draftsmith.evaluation_summary import per_position, run, summarize, tokens_per_step
+from draftsmith.evaluation_summary import by_method_and_length, per_position, run, summarize, tokens_per_step
 from draftsmith.records import Measurement
 from draftsmith.run_config import RunConfig
 from draftsmith.settings import tracked_settings
@@ -478,3 +478,46 @@ def test_a_tie_with_the_target_alone_goes_to_the_most_tokens_per_step():
     (row,) = summarize(settings([3], 8), baseline, drafters, None)["recommendation"]
     assert row["serve"] == "drafter k=3" and row["serve_chosen_by"] == "tokens per step"
     assert row["serve_within_noise"] == ["target alone", "drafter k=3"]
+
+
+def kind_job(kind: str, k: int, seconds: float, histogram: list[int]) -> Measurement:
+    """Another kind's drafter job: a drafter directory, served by its kind's method."""
+    tally = Tally()
+    for tokens in [80] * 10:
+        tally.add(response(tokens, histogram), 1.0)
+    phase = Phase("heldout", 8, {"temperature": 0.0}, seconds, {"all": tally})
+    method = "eagle3" if kind == "peagle" else kind
+    return Measurement(f"/run/drafter_{kind}", k, [phase], {}, mla_disabled=False, method=method, kind=kind)
+
+
+def test_other_kinds_are_options_beside_eagle3_and_served_with_their_own_method(tmp_path):
+    """P-EAGLE (vLLM's eagle3 method plus parallel drafting) and DFlash are measured like the
+    EAGLE-3 drafter; the fastest beyond noise is served with its kind's config, and the
+    results name each row's kind (P-EAGLE's method alone would read eagle3)."""
+    steady = [80] * 10
+    baseline = measured_job(None, steady, 2.0)
+    eagle3 = {3: measured_job(3, steady, 1.2)}
+    kinds = {
+        "peagle": {3: kind_job("peagle", 3, 0.9, [0, 0, 0, 20]), 1: kind_job("peagle", 1, 1.3, [0, 40])},
+        "dflash": {3: kind_job("dflash", 3, 1.5, [0, 10, 10, 0]), 1: kind_job("dflash", 1, 1.6, [10, 30])},
+    }
+    for name, by_length in kinds.items():  # through the files the jobs write
+        for k, record in by_length.items():
+            (tmp_path / f"{name}_k{k}.json").write_text(record.to_json())
+    kinds = by_method_and_length([Measurement.read(path) for path in sorted(tmp_path.glob("*_k*.json"))])
+    (row,) = summarize(settings([3, 1], 8), baseline, eagle3, None, None, kinds)["recommendation"]
+    assert set(row["options"]) == {"target alone", "drafter k=3", "peagle k=3", "dflash k=3"}
+    assert row["serve"] == "peagle k=3" and row["serve_chosen_by"] == "throughput"
+    assert row["speculative_config"] == {
+        "model": "/run/drafter_peagle",
+        "method": "eagle3",
+        "parallel_drafting": True,
+        "num_speculative_tokens": 3,
+    }
+    assert row["drafter_speculative_config"]["method"] == "eagle3"  # EAGLE-3's own best length
+    rows = summarize(settings([3, 1], 8), baseline, eagle3, None, None, kinds)["results"]
+    assert {(r["method"], r["num_speculative_tokens"]) for r in rows} >= {("peagle", 3), ("peagle", 1), ("dflash", 1)}
+    # Within noise of each other both are candidates, EAGLE-3 first (it breaks an exact tie).
+    close = {"peagle": {3: kind_job("peagle", 3, 1.2, [0, 0, 0, 20])}}
+    (row,) = summarize(settings([3], 8), baseline, eagle3, None, None, close)["recommendation"]
+    assert row["serve_within_noise"][-2:] == ["drafter k=3", "peagle k=3"]

@@ -82,6 +82,8 @@ MATRIX = [
     ("training.seed", 1),
     ("training.stall_timeout_s", 100),
     ("training.extra_args", ["--log-freq", "5"]),
+    ("training.kinds", ["eagle3", "peagle"]),  # another kind: its training and measurements
+    ("training.kind_args", {"peagle": ["--num-depths", "3"]}),  # of a kind not trained: nothing
     ("evaluation.num_speculative_tokens", [3, 1, 2]),  # one more draft length
     ("evaluation.num_speculative_tokens", [1, 3]),  # another default: the untrained job's length
     ("evaluation.max_tokens", 32),
@@ -142,6 +144,14 @@ def test_each_key_changed_alone_plans_exactly_what_the_table_says(demo_run):
     # A free method added to a finished run: its jobs (one per draft length) and the summary.
     assert planned['evaluation.free_methods=["ngram"]'] == {
         "evaluate_free_method": 2,
+        "evaluate": 1,
+        "plan_snapshot": 1,
+        "run_metadata": 1,
+    }
+    # A kind added to a finished run: its training, its job per draft length, the summary.
+    assert planned['training.kinds=["eagle3", "peagle"]'] == {
+        "train_kind": 1,
+        "evaluate_kind": 2,
         "evaluate": 1,
         "plan_snapshot": 1,
         "run_metadata": 1,

@@ -385,6 +385,21 @@ def test_cuda_runs_one_torchrun_process_per_gpu_of_the_slot(tmp_path, monkeypatc
         training_processes(RunConfig.from_dict(kimi), granted=4)
 
 
+def test_another_kind_changes_only_the_type_and_eagle3_keeps_its_recorded_command(tmp_path):
+    """EAGLE-3's arguments stay those of runs made before kinds existed (a changed command
+    would reset their checkpoints); another kind adds its type, then every kind's
+    extra_args, then its own kind_args; DFlash2 trains only over the target's whole vocabulary."""
+    kind_args = {"peagle": ["--num-depths", "3"]}
+    run = RunConfig.from_dict(settings(Path("/models/demo"), extra_args=["--x", "1"], kind_args=kind_args))
+    plan, paths = resolve_layers(LAYERS, 6), stage_paths(tmp_path, tmp_path / "dataset", tmp_path / "hs")
+    eagle3 = speculators_args(run, plan, paths)
+    assert "--speculator-type" not in eagle3 and eagle3 == speculators_args(run, plan, paths, kind="eagle3")
+    peagle = speculators_args(run, plan, paths, kind="peagle", target_vocab_size=226)
+    assert peagle == [*eagle3[:-2], "--speculator-type", "peagle", "--x", "1", "--num-depths", "3"]
+    dflash2 = speculators_args(run, plan, paths, kind="dflash2", target_vocab_size=226)
+    assert dflash2[-6:] == ["--speculator-type", "dflash2", "--draft-vocab-size", "226", "--x", "1"]
+
+
 def test_cpu_adaptations_leave_an_accelerator_machine_alone(monkeypatch):
     from speculators.train import cli
     from torch.optim import _muon
@@ -558,3 +573,24 @@ def test_the_trainer_logs_no_line_per_captured_row(monkeypatch, tmp_path):
         assert not logging.getLogger(client.__module__.split(".")[0]).isEnabledFor(logging.INFO)
     finally:
         root.setLevel(level)
+
+
+def test_a_published_drafter_is_of_its_kind_and_names_the_layers_trained_on(tmp_path):
+    """DFlash keeps its layer ids under another key than EAGLE-3; the ids vLLM captures at
+    serving time are those the rows were extracted from. A checkpoint of another kind than
+    the job's (extra_args can change the type) stops the job instead of being served wrongly."""
+    from draftsmith.drafter_publish import stage_drafter
+    from draftsmith.errors import TrainError
+
+    epoch = tmp_path / "checkpoints" / "4"
+    epoch.mkdir(parents=True)
+    save_file({"fc.weight": torch.ones(2, 2)}, epoch / "model.safetensors")
+    config = {"speculators_model_type": "dflash", "aux_hidden_state_layer_ids": [1, 2, 3], "dtype": "float32"}
+    (epoch / "config.json").write_text(json.dumps(config))
+    plan = resolve_layers(LAYERS, 6)
+    stage_drafter(epoch, plan, tmp_path / "dflash", kind="dflash")
+    published = json.loads((tmp_path / "dflash" / "config.json").read_text())
+    assert published["aux_hidden_state_layer_ids"] == AUX_VLLM_IDS and published["dtype"] == "bfloat16"
+    assert "eagle_aux_hidden_state_layer_ids" not in published
+    with pytest.raises(TrainError, match="speculators_model_type 'dflash', expected 'eagle3'"):
+        stage_drafter(epoch, plan, tmp_path / "eagle3", kind="eagle3")

@@ -16,6 +16,7 @@ import yaml
 from jsonschema.exceptions import best_match
 from jsonschema.validators import validator_for
 
+from draftsmith.drafter_kinds import DEFAULT_KIND, serving_problem
 from draftsmith.run_config import RunConfig
 
 
@@ -56,6 +57,13 @@ def cross_field_problems(config: RunConfig) -> list[str]:
             "config hidden_states.capture during_generation stores states, but disk_budget 0 stores none; "
             "set capture: separate, or a disk budget above 0"
         )
+    kinds = config.training.kinds
+    if DEFAULT_KIND not in kinds:
+        problems.append(
+            f"config training.kinds {list(kinds)} lacks eagle3: the other kinds are measured beside "
+            "the EAGLE-3 drafter (the headline and the untrained comparison); add eagle3 to the list"
+        )
+    problems += [problem for kind in kinds if (problem := serving_problem(kind, config.device))]
     seq_length = config.dataset.seq_length
     if max_model_len < seq_length + 1:
         problems.append(

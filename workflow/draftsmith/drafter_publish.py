@@ -34,7 +34,11 @@ def write_weights(checkpoint: Path, drafter: Path) -> None:
     save_file(converted, drafter / DRAFTER_WEIGHTS, metadata={"format": "pt"})
 
 
-def stage_drafter(epoch_dir: Path, plan: LayerPlan, drafter: Path) -> None:
+# Where each kind's config names the target layers it reads (EAGLE-3 and P-EAGLE, DFlash's).
+AUX_LAYER_KEYS = ("eagle_aux_hidden_state_layer_ids", "aux_hidden_state_layer_ids")
+
+
+def stage_drafter(epoch_dir: Path, plan: LayerPlan, drafter: Path, kind: str = "eagle3") -> None:
     """Write what vLLM loads, in bf16, with a config that names the aux layers we extracted."""
     drafter.mkdir(parents=True)
     write_weights(epoch_dir, drafter)
@@ -44,16 +48,16 @@ def stage_drafter(epoch_dir: Path, plan: LayerPlan, drafter: Path) -> None:
         if key in config:
             config[key] = str(DRAFTER_DTYPE).removeprefix("torch.")
     model_type = config.get("speculators_model_type")
-    if model_type != "eagle3":
+    if model_type != kind:
         raise TrainError(
             f"{epoch_dir}/config.json has speculators_model_type {model_type!r}, "
-            "expected 'eagle3'; check training.extra_args"
+            f"expected {kind!r}; check training.extra_args"
         )
     # vLLM captures exactly these ids at serving time: they must be the ones trained on.
-    found = config.get("eagle_aux_hidden_state_layer_ids")
-    if found != plan.aux_vllm_ids:
-        log(f"setting eagle_aux_hidden_state_layer_ids {found} -> {plan.aux_vllm_ids}")
-        config["eagle_aux_hidden_state_layer_ids"] = plan.aux_vllm_ids
+    key = next((key for key in AUX_LAYER_KEYS if key in config), AUX_LAYER_KEYS[0])
+    if config.get(key) != plan.aux_vllm_ids:
+        log(f"setting {key} {config.get(key)} -> {plan.aux_vllm_ids}")
+        config[key] = plan.aux_vllm_ids
     atomic_write_text(config_path, json.dumps(config, indent=2) + "\n")
 
 
@@ -105,13 +109,18 @@ def capture_requests(endpoint: Endpoint) -> int:
 
 
 def publish(
-    plan: LayerPlan, paths: TrainPaths, epoch_dir: Path, split: RowSplit | None = None, capture_requests: int = 0
+    plan: LayerPlan,
+    paths: TrainPaths,
+    epoch_dir: Path,
+    split: RowSplit | None = None,
+    capture_requests: int = 0,
+    kind: str = "eagle3",
 ) -> None:
     """``split``: where the rows came from (stored or captured); ``capture_requests``: the
     requests the capture server answered."""
     partial = paths.staging / "drafter.partial"
     shutil.rmtree(partial, ignore_errors=True)
-    stage_drafter(epoch_dir, plan, partial)
+    stage_drafter(epoch_dir, plan, partial, kind)
     published = int(epoch_dir.name) if epoch_dir.name.isdigit() else None  # None: untrained
     metrics = TrainingMetrics(published, epoch_metrics(paths.metrics))
     if split is not None:

@@ -39,6 +39,8 @@ from typing import Any
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.client import SPECULATORS_CLIENT, chat_poster, open_session
+from draftsmith.drafter_kinds import DEFAULT_KIND, KINDS
+from draftsmith.drafter_kinds import speculative_config as kind_speculative_config
 from draftsmith.evaluation_sets import read_prompts
 from draftsmith.progress import Progress, log
 from draftsmith.records import Measurement, Phase, Tally, summed
@@ -254,13 +256,9 @@ def check_against_server(
     )
 
 
-def speculative_config(drafter: Path, num_speculative_tokens: int) -> dict[str, Any]:
-    """The value of vLLM's ``--speculative-config`` that serves ``drafter``."""
-    return {
-        "model": str(drafter.resolve()),
-        "method": SPECULATIVE_METHODS[0],
-        "num_speculative_tokens": num_speculative_tokens,
-    }
+def speculative_config(drafter: Path, num_speculative_tokens: int, kind: str = DEFAULT_KIND) -> dict[str, Any]:
+    """The value of vLLM's ``--speculative-config`` that serves ``drafter`` (of ``kind``)."""
+    return kind_speculative_config(kind, str(drafter.resolve()), num_speculative_tokens)
 
 
 def free_method_config(method: str, num_speculative_tokens: int) -> dict[str, Any]:
@@ -275,6 +273,7 @@ def run(
     output: Path,
     granted_gpus: int | None,
     default_only: bool = False,
+    kind: str | None = None,
 ) -> Measurement:
     stage = evaluation_stage(settings)
     stage.begin(granted_gpus)
@@ -292,7 +291,7 @@ def run(
     if attention.mla_disabled:
         log(attention.reason)
     log(f"evaluating on {len(prompts)} prompts in {len({p['set'] for p in prompts})} set(s)")
-    result = measure(stage, prompts, speculation, attention, default_only)
+    result = dataclasses.replace(measure(stage, prompts, speculation, attention, default_only), kind=kind)
     atomic_write_text(output, result.to_json())
     return result
 
@@ -305,6 +304,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--drafter", type=Path, default=None, help="a drafter directory (none: the baseline)")
     parser.add_argument("--method", choices=sorted(FREE_METHODS), default=None, help="a method without a drafter")
     parser.add_argument("--num-speculative-tokens", type=int, default=None)
+    parser.add_argument("--kind", choices=sorted(KINDS), default=None, help="the drafter's kind, if not eagle3")
     parser.add_argument("--output", required=True, type=Path)
     parser.add_argument("--granted-gpus", type=int, default=None)
     parser.add_argument(
@@ -314,10 +314,10 @@ def main(argv: list[str] | None = None) -> None:
     settings = read_settings(args.settings, args.stage)
     speculation = None
     if args.drafter is not None:
-        speculation = speculative_config(args.drafter, args.num_speculative_tokens)
+        speculation = speculative_config(args.drafter, args.num_speculative_tokens, args.kind or DEFAULT_KIND)
     elif args.method is not None:
         speculation = free_method_config(args.method, args.num_speculative_tokens)
-    run(settings, args.prompts, speculation, args.output, args.granted_gpus, args.default_only)
+    run(settings, args.prompts, speculation, args.output, args.granted_gpus, args.default_only, args.kind)
 
 
 if __name__ == "__main__":

@@ -48,8 +48,10 @@ def plot_acceptance(result: dict[str, Any], path: Path) -> None:
     rows = [
         r for r in drafter_rows if r["num_speculative_tokens"] == longest and r["concurrency"] == result["concurrency"]
     ]
+    kinds = len({r["method"] for r in rows}) > 1  # several kinds of drafter: name each row's
     labels = [
-        f"{r['set']}{'' if r['category'] == WHOLE_SET else ' / ' + r['category']} · {sampling_name(r['temperature'])}"
+        ("" if not kinds else f"{r['method']} · ")
+        + f"{r['set']}{'' if r['category'] == WHOLE_SET else ' / ' + r['category']} · {sampling_name(r['temperature'])}"
         f"  (AL {r['acceptance_length']:.2f})"
         for r in rows
     ]

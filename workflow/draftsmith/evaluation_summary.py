@@ -38,6 +38,7 @@ from typing import Any
 
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
+from draftsmith.drafter_kinds import speculative_config as kind_speculative_config
 from draftsmith.evaluate import (
     acceptance_length,
     accepted_tokens,
@@ -111,7 +112,7 @@ def result_rows(drafter: Measurement, baseline: Measurement) -> list[dict[str, A
         tallies, base_tallies = phase.categories, base.categories
         whole, base_whole = merged(tallies.values()), merged(base_tallies.values())
         common = {
-            "method": drafter.speculative_method,
+            "method": drafter.name,
             "num_speculative_tokens": k,
             "concurrency": phase.concurrency,
             "temperature": phase.temperature,
@@ -223,14 +224,18 @@ def recommend(
     drafters: dict[int, Measurement],
     baseline: Measurement,
     free_methods: dict[str, dict[int, Measurement]] | None = None,
+    kinds: dict[str, dict[int, Measurement]] | None = None,
 ) -> list[dict[str, Any]]:
-    """For each (sampling, concurrency): the drafter's best draft length, each free method's,
-    and of those and the target alone, what to serve (module docstring)."""
+    """For each (sampling, concurrency): the drafter's best draft length, each free method's
+    and each other kind of drafter's, and of those and the target alone, what to serve
+    (module docstring)."""
     alone = pooled(baseline)
     measured = {k: pooled(job) for k, job in drafters.items()}
     free_measured = {
         method: {k: pooled(job) for k, job in jobs.items()} for method, jobs in (free_methods or {}).items()
     }
+    kinds = kinds or {}
+    kinds_measured = {kind: {k: pooled(job) for k, job in jobs.items()} for kind, jobs in kinds.items()}
     rows = []
     for key in sorted(alone):
         at = {k: measured[k][key] for k in sorted(measured)}
@@ -242,8 +247,15 @@ def recommend(
             method_best, _ = choose(method_at, sorted(method_at))
             configs[f"{method} k={method_best}"] = free_method_config(method, method_best)
             options[f"{method} k={method_best}"] = method_at[method_best]
-        # Ties go to the simplest: the target alone, then what needs no training.
-        simplest = [TARGET_ALONE, *list(options)[2:], f"drafter k={best}"]
+        free_options = list(options)[2:]
+        for kind, by_length in kinds_measured.items():
+            kind_at = {k: by_length[k][key] for k in sorted(by_length)}
+            kind_best, _ = choose(kind_at, sorted(kind_at))
+            drafter = str(kinds[kind][kind_best].drafter)
+            configs[f"{kind} k={kind_best}"] = kind_speculative_config(kind, drafter, kind_best)
+            options[f"{kind} k={kind_best}"] = kind_at[kind_best]
+        # Ties go to the simplest: the target alone, then what needs no training, then EAGLE-3.
+        simplest = [TARGET_ALONE, *free_options, f"drafter k={best}", *list(options)[2 + len(free_options) :]]
         served, served_tied = choose(options, simplest)
         rows.append(
             {
@@ -336,21 +348,23 @@ def summarize(
     drafters: dict[int, Measurement],
     untrained: Measurement | None,
     free_methods: dict[str, dict[int, Measurement]] | None = None,
+    kinds: dict[str, dict[int, Measurement]] | None = None,
 ) -> dict[str, Any]:
     k, concurrency = settings.evaluation.draft_lengths[0], settings.evaluation.concurrencies[0]
-    free_methods = free_methods or {}
+    free_methods, kinds = free_methods or {}, kinds or {}
     result = headline(drafters[k], baseline, untrained, k, concurrency)
     jobs = [drafters[length] for length in sorted(drafters)]
-    jobs += [free_methods[method][length] for method in sorted(free_methods) for length in sorted(free_methods[method])]
+    for others in (free_methods, kinds):
+        jobs += [others[name][length] for name in sorted(others) for length in sorted(others[name])]
     result["results"] = [row for job in jobs for row in result_rows(job, baseline)]
-    result["recommendation"] = recommend(drafters, baseline, free_methods)
+    result["recommendation"] = recommend(drafters, baseline, free_methods, kinds)
     return result
 
 
 def by_method_and_length(jobs: list[Measurement]) -> dict[str, dict[int, Measurement]]:
     grouped: dict[str, dict[int, Measurement]] = {}
     for job in jobs:
-        grouped.setdefault(str(job.speculative_method), {})[drafter_length(job)] = job
+        grouped.setdefault(str(job.name), {})[drafter_length(job)] = job
     return grouped
 
 
@@ -361,11 +375,13 @@ def run(
     untrained: Path | None,
     outputs: dict[str, Path],
     free_method_jobs: list[Path] | None = None,
+    kind_jobs: list[Path] | None = None,
 ) -> dict[str, Any]:
     drafters = {drafter_length(job): job for job in map(Measurement.read, drafter_jobs)}
     untrained_job = Measurement.read(untrained) if untrained else None
     free_methods = by_method_and_length([Measurement.read(job) for job in free_method_jobs or []])
-    result = summarize(settings, Measurement.read(baseline), drafters, untrained_job, free_methods)
+    kinds = by_method_and_length([Measurement.read(job) for job in kind_jobs or []])
+    result = summarize(settings, Measurement.read(baseline), drafters, untrained_job, free_methods, kinds)
     chosen = next(
         r for r in result["recommendation"] if r["temperature"] == 0.0 and r["concurrency"] == result["concurrency"]
     )
@@ -395,6 +411,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--drafter-jobs", required=True, nargs="+", type=Path)
     parser.add_argument("--untrained", type=Path, default=None)
     parser.add_argument("--free-method-jobs", nargs="*", type=Path, default=[])
+    parser.add_argument("--kind-jobs", nargs="*", type=Path, default=[], help="other kinds of drafter (training.kinds)")
     for name in ("acceptance", "spec-config", "acceptance-plot", "speedup-plot", "tables"):
         parser.add_argument(f"--{name}", required=True, type=Path)
     args = parser.parse_args(argv)
@@ -412,6 +429,7 @@ def main(argv: list[str] | None = None) -> None:
         args.untrained,
         outputs,
         args.free_method_jobs,
+        args.kind_jobs,
     )
 
 

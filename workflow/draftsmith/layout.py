@@ -147,6 +147,10 @@ class Layout:
     def training_metrics(self) -> Path:
         return self.drafter / TRAINING_METRICS
 
+    def kind_drafter(self, kind: str) -> Path:
+        """A drafter of another kind than EAGLE-3 (training.kinds), trained from the same data."""
+        return self.results / f"drafter_{kind}"
+
     @property
     def untrained_drafter(self) -> Path:
         return self.results / "untrained_drafter"
@@ -180,6 +184,9 @@ class Layout:
 
     def free_method_measurement(self, method: str, k: int | str) -> Path:
         return self.evaluation / f"{method}_k{k}.json"
+
+    def kind_measurement(self, kind: str, k: int | str) -> Path:
+        return self.evaluation / f"{kind}_k{k}.json"
 
     @property
     def acceptance(self) -> Path:

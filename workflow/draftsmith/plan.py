@@ -148,6 +148,9 @@ def plan_for(settings: RunConfig, results: Path) -> dict[str, Any]:
         },
         "draft_lengths": len(settings.evaluation.draft_lengths),
         "compare_untrained": settings.evaluation.compare_untrained,
+        # Every kind trains from the same rows and states: more kinds cost training time
+        # and evaluation loads, never extraction.
+        "drafter_kinds": list(settings.training.kinds),
         "gpu_slot": settings.gpu_slot,
         "gpus_per_server": settings.server.gpus,
         "done": done,
@@ -221,7 +224,9 @@ def timed_modes(plan: dict[str, Any], settings: RunConfig, rates: Rates) -> list
     for mode in plan["storage_modes"]:
         prefill = 0 if mode["one_pass"] else round(mode["rows_stored"] * per_row)
         recapture = round(mode["capture_passes"] * per_row)
-        trainer = plan["training_tokens"] * epochs
+        # Each kind of drafter reads every row each epoch. The rate is EAGLE-3's; on the CPU
+        # demo a P-EAGLE or DFlash step was slower (README, "Drafter kinds").
+        trainer = plan["training_tokens"] * epochs * len(plan["drafter_kinds"])
         loads = generation_loads + mode["model_loads"]
         seconds = {
             "generation": plan["completion_tokens"] / rates.decode_tokens_per_s.value,
@@ -262,12 +267,13 @@ def fitting_budget(plan: dict[str, Any]) -> str | None:
 
 
 def evaluation_loads(settings: RunConfig) -> int:
-    """The target alone once, once per draft length for the drafter and for each free method,
-    and the untrained drafter once: on a 1T-parameter target each load is many minutes, so a
-    long sweep shows here first."""
+    """The target alone once, once per draft length for each kind of drafter and each free
+    method, and the untrained drafter once: on a 1T-parameter target each load is many
+    minutes, so a long sweep shows here first."""
     evaluation = settings.evaluation
     lengths = len(evaluation.draft_lengths)
-    return 1 + lengths * (1 + len(evaluation.free_methods)) + int(evaluation.compare_untrained)
+    per_length = len(settings.training.kinds) + len(evaluation.free_methods)
+    return 1 + lengths * per_length + int(evaluation.compare_untrained)
 
 
 def human_bytes(n: float) -> str:
@@ -358,6 +364,7 @@ def format_plan(plan: dict[str, Any]) -> str:
             f" (evaluation: target alone + {plan['draft_lengths']} draft length(s)"
             f"{' + untrained' if plan['compare_untrained'] else ''})",
         ),
+        ("drafter kinds (same rows and states, no extra extraction)", ", ".join(plan["drafter_kinds"])),
         *storage_rows(plan),
         *time_rows(plan),
         ("GPU slot (GPUs per heavy job) / TP x DP", f"{plan['gpu_slot']} / {plan['gpus_per_server']}"),

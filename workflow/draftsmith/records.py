@@ -195,10 +195,18 @@ class Measurement(_Record):
     # vLLM's speculative method; None in the baseline's, and in drafter jobs from before
     # free methods were measured (``speculative_method`` reads those as eagle3).
     method: str | None = None
+    # The kind of drafter (training.kinds) when not EAGLE-3's: P-EAGLE is served by vLLM's
+    # eagle3 method, so the method alone does not tell the kinds apart.
+    kind: str | None = None
 
     @property
     def speculative_method(self) -> str | None:
         return self.method or ("eagle3" if self.drafter else None)
+
+    @property
+    def name(self) -> str | None:
+        """What the report calls it: the kind of drafter, or the method."""
+        return self.kind or self.speculative_method
 
     def to_json(self) -> str:
         values: dict[str, Any] = {
@@ -212,6 +220,8 @@ class Measurement(_Record):
             values["mla_disabled_because"] = self.mla_disabled_because
         if self.method is not None:
             values["method"] = self.method
+        if self.kind is not None:
+            values["kind"] = self.kind
         return json.dumps(values, indent=2) + "\n"
 
     @classmethod

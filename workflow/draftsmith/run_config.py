@@ -23,6 +23,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Self
 
 from draftsmith.disk_budget import parse_budget
+from draftsmith.drafter_kinds import DEFAULT_KIND
 
 
 class UndeclaredSetting(KeyError):
@@ -231,6 +232,13 @@ class TrainingSettings(Section):
     seed: int
     stall_timeout_s: float
     extra_args: tuple[str, ...]
+    kinds: tuple[str, ...]
+    kind_args: dict[str, list[str]]
+
+    @property
+    def other_kinds(self) -> tuple[str, ...]:
+        """The kinds trained beside EAGLE-3 (each its own drafter_<kind>/ and measurements)."""
+        return tuple(kind for kind in self.kinds if kind != DEFAULT_KIND)
 
 
 @dataclass(frozen=True, eq=False, repr=False)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -202,8 +202,9 @@ def off(key: str, value: Any) -> bool:
 # Settings whose every value is a job of its own (the value is in the output's name): a new
 # value adds its job and leaves the others; the rules tracking the whole list re-run.
 SWEPT = {
-    "evaluation.num_speculative_tokens": ("evaluate_drafter", "evaluate_free_method"),
+    "evaluation.num_speculative_tokens": ("evaluate_drafter", "evaluate_free_method", "evaluate_kind"),
     "evaluation.free_methods": ("evaluate_free_method",),
+    "training.kinds": ("train_kind", "evaluate_kind"),
 }
 
 # The keys that say where results go: a new value starts over in the new place.
@@ -236,10 +237,12 @@ TARGET_READERS = (
     "dataset",
     "extract",
     "train",
+    "train_kind",
     "untrained_drafter",
     "evaluation_sets",
     "evaluate_baseline",
     "evaluate_drafter",
+    "evaluate_kind",
     "evaluate_untrained",
     "evaluate_free_method",
 )
@@ -286,6 +289,31 @@ PLAN_READS = (
     "evaluation.num_speculative_tokens",
     "evaluation.compare_untrained",
     "evaluation.free_methods",
+    "training.kinds",
+)
+
+TRAINING = Stage(
+    # The device picks the trainer's flags (fp32 on a CPU) and, with gpu_slot, its processes.
+    shaping=(
+        *DRAFTER_SHAPE,
+        "training.lr",
+        "training.total_seq_len",
+        "device",
+        "trainer_processes",
+        "hidden_states.limited_budget",
+        "hidden_states.capture_numerics",
+        "hidden_states.fp8_storage",  # the trainer reads dequantized fp8 rows
+    ),
+    extent=("target.build_demo", "training.epochs"),  # more epochs continue the checkpoints
+    # The capture server (rows past the budget) is the extraction server, started here.
+    operational=(
+        *SERVER_PLACEMENT,
+        *SERVER_PATIENCE,
+        *SERVER_OTHER,
+        "training.stall_timeout_s",
+        "hidden_states.capture_memory_fraction",
+    ),
+    software=("speculators", "torch", "transformers"),
 )
 
 STAGES: dict[str, Stage] = {
@@ -364,28 +392,13 @@ STAGES: dict[str, Stage] = {
         software=("vllm",),
     ),
     "training_view": Stage(),
-    "train": Stage(
-        # The device picks the trainer's flags (fp32 on a CPU) and, with gpu_slot, its processes.
-        shaping=(
-            *DRAFTER_SHAPE,
-            "training.lr",
-            "training.total_seq_len",
-            "device",
-            "trainer_processes",
-            "hidden_states.limited_budget",
-            "hidden_states.capture_numerics",
-            "hidden_states.fp8_storage",  # the trainer reads dequantized fp8 rows
-        ),
-        extent=("target.build_demo", "training.epochs"),  # more epochs continue the checkpoints
-        # The capture server (rows past the budget) is the extraction server, started here.
-        operational=(
-            *SERVER_PLACEMENT,
-            *SERVER_PATIENCE,
-            *SERVER_OTHER,
-            "training.stall_timeout_s",
-            "hidden_states.capture_memory_fraction",
-        ),
-        software=("speculators", "torch", "transformers"),
+    "train": TRAINING,
+    # Another kind of drafter from the same rows and states: the kind is the job's wildcard,
+    # so a kind added to the list is a job of its own and the others stay.
+    "train_kind": replace(
+        TRAINING,
+        shaping=(*TRAINING.shaping, "training.kind_args"),  # each job tracks its own kind's (kind_view)
+        operational=(*TRAINING.operational, "training.kinds"),
     ),
     # speculators' dry run: initialized, never trained, so the training schedule is moot.
     "untrained_drafter": Stage(
@@ -424,6 +437,13 @@ STAGES: dict[str, Stage] = {
         operational=(*EVALUATION_OPERATIONS, "evaluation.num_speculative_tokens"),
         software=("vllm",),
     ),
+    # Another kind's drafter: the kind and the draft length are the job's wildcards.
+    "evaluate_kind": Stage(
+        shaping=EVALUATION_SHAPE,
+        extent=("target.build_demo",),
+        operational=(*EVALUATION_OPERATIONS, "evaluation.num_speculative_tokens", "training.kinds"),
+        software=("vllm",),
+    ),
     # The untrained drafter is measured at the default draft length only (the wiring proof).
     "evaluate_untrained": Stage(
         shaping=EVALUATION_SHAPE,
@@ -445,6 +465,7 @@ STAGES: dict[str, Stage] = {
             "evaluation.concurrency",
             "evaluation.compare_untrained",
             "evaluation.free_methods",
+            "training.kinds",
         ),
     ),
     # Snapshots of the finished run: they re-run with the evaluation they read, and track
@@ -463,14 +484,22 @@ CONSUMERS: dict[str, tuple[str, ...]] = {
     "gguf_target": TARGET_READERS,
     "questions": ("generate", "evaluation_sets", "plan_snapshot"),
     "generate": ("dataset", "completion_lengths", "plan_snapshot"),
-    "dataset": ("extract", "training_view", "train", "untrained_drafter"),
+    "dataset": ("extract", "training_view", "train", "train_kind", "untrained_drafter"),
     "extract": ("training_view", "plan_snapshot"),
-    "training_view": ("train", "untrained_drafter"),
+    "training_view": ("train", "train_kind", "untrained_drafter"),
     "train": ("evaluate_drafter", "training_curves", "plan_snapshot"),
+    "train_kind": ("evaluate_kind",),
     "untrained_drafter": ("evaluate_untrained",),
-    "evaluation_sets": ("evaluate_baseline", "evaluate_drafter", "evaluate_untrained", "evaluate_free_method"),
+    "evaluation_sets": (
+        "evaluate_baseline",
+        "evaluate_drafter",
+        "evaluate_kind",
+        "evaluate_untrained",
+        "evaluate_free_method",
+    ),
     "evaluate_baseline": ("evaluate",),
     "evaluate_drafter": ("evaluate",),
+    "evaluate_kind": ("evaluate",),
     "evaluate_untrained": ("evaluate",),
     "evaluate_free_method": ("evaluate",),
     "evaluate": ("plan_snapshot", "run_metadata"),
@@ -525,6 +554,13 @@ def tracked_settings(config: dict[str, Any], rule: str) -> dict[str, Any]:
     if stage.software:
         values["software"] = {name: installed_version(name) for name in stage.software}
     return values
+
+
+def kind_view(tracked: dict[str, Any], kind: str) -> dict[str, Any]:
+    """One kind's job's params: its own kind_args, so a change of another kind's leaves it."""
+    if "training.kind_args" not in tracked:
+        return tracked
+    return tracked | {"training.kind_args": tracked["training.kind_args"].get(kind, [])}
 
 
 def item_settings(config: Mapping[str, Any], rule: str) -> dict[str, Any]:
@@ -617,6 +653,8 @@ def absent_rules(config: dict[str, Any]) -> set[str]:
         absent.add("extract")
     if not run.evaluation.free_methods:
         absent.add("evaluate_free_method")
+    if not run.training.other_kinds:
+        absent.update(("train_kind", "evaluate_kind"))
     return absent
 
 
@@ -651,7 +689,8 @@ def reruns_text(setting: str) -> str:
         rules, one_pass = one_pass, []
     also = "; in one pass also " + ", ".join(f"`{rule}`" for rule in one_pass) if one_pass else ""
     if setting in SWEPT:
-        jobs = " and ".join(f"`{rule}`" for rule in SWEPT[setting])
+        names = [f"`{rule}`" for rule in SWEPT[setting]]
+        jobs = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 2 else names)
         return f"{jobs} for each new value, " + ", ".join(f"`{rule}`" for rule in rules) + " and what follows"
     return (", ".join(f"`{rule}`" for rule in rules) + " and what follows" if rules else "nothing") + also
 

@@ -39,6 +39,7 @@ from safetensors import safe_open
 
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.disk_budget import RowSplit, row_split, served_value_bytes
+from draftsmith.drafter_kinds import DEFAULT_KIND, KINDS
 from draftsmith.drafter_publish import capture_requests, publish
 from draftsmith.errors import TrainError
 from draftsmith.layers import LayerPlan, resolve_layers
@@ -189,7 +190,14 @@ def training_processes(settings: RunConfig, granted: int | None) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def speculators_args(settings: RunConfig, plan: LayerPlan, paths: TrainPaths, captures: bool = False) -> list[str]:
+def speculators_args(
+    settings: RunConfig,
+    plan: LayerPlan,
+    paths: TrainPaths,
+    captures: bool = False,
+    kind: str = DEFAULT_KIND,
+    target_vocab_size: int | None = None,
+) -> list[str]:
     """Arguments of `speculators train` (flags from DESIGN.md's CPU and H200 runs);
     ``captures``: rows without a file are asked of the capture server."""
     training = settings.training
@@ -229,7 +237,19 @@ def speculators_args(settings: RunConfig, plan: LayerPlan, paths: TrainPaths, ca
         argv += CPU_TRAINER_FLAGS
     if settings.target.trust_remote_code:
         argv.append("--trust-remote-code")
-    return argv + list(training.extra_args)
+    if kind == DEFAULT_KIND:
+        # EAGLE-3's command stays that of runs made before kinds existed, so their
+        # checkpoints are continued, not reset.
+        return argv + list(training.extra_args)
+    return argv + kind_args(kind, target_vocab_size) + list(training.extra_args) + training.kind_args.get(kind, [])
+
+
+def kind_args(kind: str, target_vocab_size: int | None) -> list[str]:
+    """What another kind of drafter changes (a later flag wins in speculators' parser)."""
+    argv = ["--speculator-type", kind]
+    if KINDS[kind].full_vocabulary and target_vocab_size:
+        argv += ["--draft-vocab-size", str(target_vocab_size)]
+    return argv
 
 
 def launcher(settings: RunConfig, processes: int) -> list[str]:
@@ -240,8 +260,17 @@ def launcher(settings: RunConfig, processes: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes), *entry]
 
 
-def train_command(settings: RunConfig, plan: LayerPlan, paths: TrainPaths, processes: int, captures: bool) -> list[str]:
-    return launcher(settings, processes) + speculators_args(settings, plan, paths, captures)
+def train_command(
+    settings: RunConfig,
+    plan: LayerPlan,
+    paths: TrainPaths,
+    processes: int,
+    captures: bool,
+    kind: str = DEFAULT_KIND,
+    target_vocab_size: int | None = None,
+) -> list[str]:
+    args = speculators_args(settings, plan, paths, captures, kind, target_vocab_size)
+    return launcher(settings, processes) + args
 
 
 def with_endpoint(command: list[str], endpoint: Endpoint | None) -> list[str]:
@@ -286,12 +315,19 @@ def link_dataset_view(paths: TrainPaths) -> None:
         (paths.dataset_view / path.name).symlink_to(path.resolve())
 
 
-def run(settings: RunConfig, paths: TrainPaths, granted: int | None = None, untrained: bool = False) -> None:
+def run(
+    settings: RunConfig,
+    paths: TrainPaths,
+    granted: int | None = None,
+    untrained: bool = False,
+    kind: str = DEFAULT_KIND,
+) -> None:
     processes = training_processes(settings, granted)
     inputs = preflight(settings, paths)
     plan, split = inputs.plan, inputs.split
     captures = split.captured > 0 and not untrained  # a dry run reads no data
-    command = train_command(settings, plan, paths, processes, captures)
+    vocab = inputs.target.vocab_size
+    command = train_command(settings, plan, paths, processes, captures, kind, vocab)
     paths.staging.mkdir(parents=True, exist_ok=True)
     link_dataset_view(paths)
     if untrained:
@@ -301,7 +337,7 @@ def run(settings: RunConfig, paths: TrainPaths, granted: int | None = None, untr
         run_trainer([*command, "--dry-run"], paths.metrics, settings.training.stall_timeout_s)
         publish(plan, paths, paths.checkpoints)
         return
-    args = speculators_args(settings, plan, paths, captures)
+    args = speculators_args(settings, plan, paths, captures, kind, vocab)
     software = item_settings(settings.source, "train")["software"]
     reset_if_changed(paths, args, settings.training.epochs, software)
     drop_unfinished_epoch(paths)
@@ -311,7 +347,7 @@ def run(settings: RunConfig, paths: TrainPaths, granted: int | None = None, untr
         if endpoint is not None:
             requests = capture_requests(endpoint)
             log(f"the capture server answered {requests} requests for rows past the disk budget")
-    publish(plan, paths, chosen_epoch(paths.checkpoints), split, requests)
+    publish(plan, paths, chosen_epoch(paths.checkpoints), split, requests, kind)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -325,12 +361,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--untrained", action="store_true", help="publish the initialized, untrained drafter (an evaluation baseline)"
     )
+    parser.add_argument(
+        "--kind", choices=sorted(KINDS), default=DEFAULT_KIND, help="the kind of drafter (training.kinds)"
+    )
     args = parser.parse_args(argv)
     # A SIGTERM (Snakemake, SLURM) unwinds through run_trainer's finally, which stops the trainer.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     paths = TrainPaths(args.dataset, args.hidden_states, args.staging, args.output)
-    stage = "untrained_drafter" if args.untrained else "train"
-    run(read_settings(args.settings, stage), paths, args.granted_gpus, args.untrained)
+    stage = "untrained_drafter" if args.untrained else "train" if args.kind == DEFAULT_KIND else "train_kind"
+    run(read_settings(args.settings, stage), paths, args.granted_gpus, args.untrained, args.kind)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from snakemake.exceptions import WorkflowError
 
 from draftsmith.layout import Layout
 from draftsmith.questions import is_local_source
-from draftsmith.settings import dumps, tracked_settings
+from draftsmith.settings import dumps, kind_view, tracked_settings
 
 LAYOUT = Layout(RUN.results_dir)
 RESULTS = str(LAYOUT.results)
@@ -21,6 +21,8 @@ STORES_HIDDEN_STATES = RUN.hidden_states.limited_budget != 0
 EXTRACTION_SHARDS = list(range(RUN.extraction.shards)) if STORES_HIDDEN_STATES else []
 # The evaluate_free_method jobs' wildcard: only the configured methods (never "drafter").
 FREE_METHOD_NAMES = "|".join(RUN.evaluation.free_methods) or "(?!)"
+# The train_kind and evaluate_kind jobs' wildcard: the kinds trained beside EAGLE-3.
+KIND_NAMES = "|".join(RUN.training.other_kinds) or "(?!)"
 
 
 def path(location):
@@ -42,6 +44,12 @@ def staging(stage, shard=None):
 def tracked(rule):
     """The rule's params: the settings that shape its output (draftsmith/settings.py)."""
     return dumps(tracked_settings(config, rule))
+
+
+def tracked_for_kind(rule):
+    """A kind's job's params (train_kind): its own kind_args only."""
+    settings = tracked_settings(config, rule)
+    return lambda wildcards: dumps(kind_view(settings, wildcards.kind))
 
 
 def target_model_input():
@@ -100,6 +108,14 @@ def free_method_measurements():
     return [
         path(LAYOUT.free_method_measurement(method, k))
         for method in RUN.evaluation.free_methods
+        for k in RUN.evaluation.draft_lengths
+    ]
+
+
+def kind_measurements():
+    return [
+        path(LAYOUT.kind_measurement(kind, k))
+        for kind in RUN.training.other_kinds
         for k in RUN.evaluation.draft_lengths
     ]
 

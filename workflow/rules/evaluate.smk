@@ -77,6 +77,28 @@ rule evaluate_drafter:
         " --output {output:q} --granted-gpus {resources.gpu} > {log:q} 2>&1"
 
 
+# Each other kind of drafter (training.kinds), at every draft length, measured like EAGLE-3's.
+use rule evaluate_drafter as evaluate_kind with:
+    input:
+        prompts=path(LAYOUT.evaluation_prompts),
+        drafter=path(LAYOUT.kind_drafter("{kind}")),
+        model=target_model_input(),
+    output:
+        path(LAYOUT.kind_measurement("{kind}", "{k}")),
+    log:
+        log_path("evaluate/{kind}_k{k}"),
+    benchmark:
+        benchmark_path("evaluate/{kind}_k{k}")
+    wildcard_constraints:
+        kind=KIND_NAMES,
+        k=r"\d+",
+    params:
+        tracked=tracked("evaluate_kind"),
+        config=RUN_CONFIG,
+        stage="evaluate_kind",
+        phases=lambda wildcards: f"--kind {wildcards.kind}",
+
+
 # The wiring proof: the same drafter shape, never trained, at the default draft length,
 # greedy and at the default concurrency only.
 use rule evaluate_drafter as evaluate_untrained with:
@@ -132,6 +154,7 @@ rule evaluate:
         drafter_jobs=drafter_measurements(),
         untrained=untrained_measurement_input(),
         free_method_jobs=free_method_measurements(),
+        kind_jobs=kind_measurements(),
     output:
         acceptance=path(LAYOUT.acceptance),
         spec_config=path(LAYOUT.speculative_config),
@@ -166,9 +189,13 @@ rule evaluate:
             if input.free_method_jobs
             else ""
         ),
+        kinds=lambda wildcards, input: (
+            f"--kind-jobs {shlex.join(input.kind_jobs)}" if input.kind_jobs else ""
+        ),
     shell:
         "python -m draftsmith.evaluation_summary --settings {params.config:q}"
         " --baseline {input.baseline:q} --drafter-jobs {input.drafter_jobs:q} {params.untrained} {params.free_methods}"
+        " {params.kinds}"
         " --acceptance {output.acceptance:q}"
         " --spec-config {output.spec_config:q} --acceptance-plot {output.acceptance_plot:q}"
         " --speedup-plot {output.speedup_plot:q} --tables {output.tables:q} > {log:q} 2>&1"

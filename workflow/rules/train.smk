@@ -38,3 +38,20 @@ use rule train as untrained_drafter with:
         config=RUN_CONFIG,
         staging=staging("untrained_drafter"),
         mode="--untrained",
+
+
+# Each other kind of drafter (training.kinds) from the same rows and hidden states.
+use rule train as train_kind with:
+    output:
+        directory(path(LAYOUT.kind_drafter("{kind}"))),
+    log:
+        log_path("train_{kind}"),
+    benchmark:
+        benchmark_path("train_{kind}")
+    wildcard_constraints:
+        kind=KIND_NAMES,
+    params:
+        tracked=tracked_for_kind("train_kind"),
+        config=RUN_CONFIG,
+        staging=lambda wildcards: staging(f"train_{wildcards.kind}"),
+        mode=lambda wildcards: f"--kind {wildcards.kind}",
