@@ -181,3 +181,19 @@ def test_each_kind_is_refused_exactly_where_vllm_cannot_serve_it():
     ]
     assert refused["cpu", "dspark"].endswith("on device cpu use dflash, eagle3, peagle")
     assert refused["cuda", "xpress"].endswith("on device cuda use dflash, dflash2, dspark, eagle3, peagle")
+
+
+def test_the_dry_run_refuses_a_kind_the_device_cannot_serve_and_plans_it_on_cuda(tmp_path):
+    """In seconds, before any job: DSpark has no CPU path in vLLM 0.32; on CUDA it plans."""
+    workdir = copy_workflow(tmp_path / "wf")
+    config = workdir / "config/config.yaml"
+    config.write_text(config.read_text().replace("  extra_args: []", "  extra_args: []\n  kinds: [eagle3, dspark]", 1))
+    refused = subprocess.run([sys.executable, "-m", "snakemake", "-n"], cwd=workdir, capture_output=True, text=True)
+    assert refused.returncode != 0
+    (line,) = [line for line in (refused.stdout + refused.stderr).splitlines() if "training.kinds" in line]
+    assert line.startswith("config training.kinds: dspark is served only on cuda by vLLM 0.32 (")
+    assert line.endswith("on device cpu use dflash, eagle3, peagle")
+    config.write_text(config.read_text().replace("device: cpu", "device: cuda", 1))
+    planned = subprocess.run([sys.executable, "-m", "snakemake", "-n"], cwd=workdir, capture_output=True, text=True)
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    assert "train_kind" in planned.stdout and "evaluate_kind" in planned.stdout

@@ -4,10 +4,11 @@ Needs sbatch on PATH, a controller that answers (`sudo tests/slurm/setup_cluster
 two nodes on this host) and the plugin (tests/slurm/run_slurm_test.sh sets both up); skipped otherwise.
 One run with profiles/slurm-cpu on a copy of the workflow: the demo config made small (the
 suite's demo target, 160 questions, 2 generation and 2 extraction shards, 3 epochs, one
-draft length), since the drafter's quality is test_workflow.py's concern. Then: every
-heavy job, each shard included, was its own SLURM job and SLURM recorded it as completed,
-the cheap rules stayed on the submit host, the question ids are those of a local run of the
-questions stage, the drafter was served and drafted, and a rerun has nothing to do.
+draft length, EAGLE-3 and P-EAGLE), since the drafter's quality is test_workflow.py's
+concern. Then: every heavy job, each shard included, was its own SLURM job and SLURM
+recorded it as completed, the cheap rules stayed on the submit host, the question ids are
+those of a local run of the questions stage, both drafters were served and drafted, and a
+rerun has nothing to do.
 
 CI (.ci/run) starts the one-host cluster and installs the plugin's overlay (`make
 slurm-site`); the overlay goes on PYTHONPATH of this test's Snakemake runs only, since its
@@ -34,7 +35,7 @@ SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 PROFILE = ["--workflow-profile", "slurm-cpu"]
 SLURM_SITE = ROOT / ".slurm-site"  # `make slurm-site`
 SHARDED = {"generate": 2, "extract": 2}  # the demo config's shards
-ONE_JOB = {"dataset", "train", "evaluate_baseline", "evaluate_drafter"}
+ONE_JOB = {"dataset", "train", "train_kind", "evaluate_baseline", "evaluate_drafter", "evaluate_kind"}
 LOCAL = {
     "questions",
     "training_view",
@@ -87,6 +88,8 @@ def small_demo(workdir: Path, target: Path) -> Path:
     # One pass: each generation job saves its answers' states; the extraction jobs adopt
     # them across generation shards and load no target.
     config.setdefault("hidden_states", {})["capture"] = "during_generation"
+    # A second kind of drafter from the same data: P-EAGLE, at the demo's short drafts.
+    config["training"].update(kinds=["eagle3", "peagle"], kind_args={"peagle": ["--num-depths", "3"]})
     config["evaluation"].update(
         num_speculative_tokens=3, concurrency=8, sampled=False, compare_untrained=False, sets={}
     )
@@ -246,6 +249,26 @@ def test_the_drafter_was_served_and_drafted(slurm_run):
     assert Path(chosen["drafter_speculative_config"]["model"]) == (workdir / "results/drafter").resolve()
     served = json.loads((workdir / "results/drafter_speculative_config.json").read_text())
     assert served == chosen["speculative_config"]
+
+
+def test_a_second_kind_was_trained_served_and_weighed_against_eagle3(slurm_run):
+    """P-EAGLE trained in its own SLURM job from the same rows and states, vLLM's CPU build
+    served it (eagle3 method, parallel drafting) and accepted some of its tokens, and the
+    recommendation weighed it against EAGLE-3 and the target alone."""
+    workdir, _ = slurm_run
+    results = workdir / "results"
+    config = json.loads((results / "drafter_peagle/config.json").read_text())
+    assert config["speculators_model_type"] == "peagle" and config["eagle_aux_hidden_state_layer_ids"] == [2, 3, 5]
+    measured = json.loads((results / "eval/peagle_k3.json").read_text())
+    assert measured["kind"] == "peagle" and measured["method"] == "eagle3"
+    result = json.loads((results / "eval/acceptance.json").read_text())
+    (row,) = [r for r in result["results"] if (r["method"], r["set"], r["category"]) == ("peagle", "heldout", "*")]
+    print(f"\nP-EAGLE acceptance length {row['acceptance_length']:.2f}, {row['tokens_per_s_with_drafter']} tok/s")
+    assert row["acceptance_length"] > 1.0, row
+    (chosen,) = result["recommendation"]
+    assert {"target alone", "drafter k=3", "peagle k=3"} == set(chosen["options"])
+    if chosen["serve"] == "peagle k=3":
+        assert chosen["speculative_config"]["parallel_drafting"] is True
 
 
 def test_rerun_has_nothing_to_do(slurm_run):
