@@ -83,7 +83,6 @@ MATRIX = [
     ("training.stall_timeout_s", 100),
     ("training.extra_args", ["--log-freq", "5"]),
     ("training.kinds", ["eagle3", "peagle"]),  # another kind: its training and measurements
-    ("training.kind_args", {"peagle": ["--num-depths", "3"]}),  # of a kind not trained: nothing
     ("evaluation.num_speculative_tokens", [3, 1, 2]),  # one more draft length
     ("evaluation.num_speculative_tokens", [1, 3]),  # another default: the untrained job's length
     ("evaluation.max_tokens", 32),
