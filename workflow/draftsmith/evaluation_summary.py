@@ -38,7 +38,6 @@ from typing import Any
 
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
-from draftsmith.drafter_kinds import speculative_config as kind_speculative_config
 from draftsmith.evaluate import (
     acceptance_length,
     accepted_tokens,
@@ -251,8 +250,8 @@ def recommend(
         for kind, by_length in kinds_measured.items():
             kind_at = {k: by_length[k][key] for k in sorted(by_length)}
             kind_best, _ = choose(kind_at, sorted(kind_at))
-            drafter = str(kinds[kind][kind_best].drafter)
-            configs[f"{kind} k={kind_best}"] = kind_speculative_config(kind, drafter, kind_best)
+            drafter = Path(str(kinds[kind][kind_best].drafter))
+            configs[f"{kind} k={kind_best}"] = speculative_config(drafter, kind_best, kind)
             options[f"{kind} k={kind_best}"] = kind_at[kind_best]
         # Ties go to the simplest: the target alone, then what needs no training, then EAGLE-3.
         simplest = [TARGET_ALONE, *free_options, f"drafter k={best}", *list(options)[2 + len(free_options) :]]
