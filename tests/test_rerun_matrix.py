@@ -29,7 +29,8 @@ def test_a_generation_change_replans_generation_and_what_follows(demo_run):
 
 
 # One change at a time, to every key of the schema, and the hard cases (server options that
-# do or do not change numerics, re-sharding): (key, new value).
+# do or do not change numerics, re-sharding): (key, new value[, the other changes it needs]).
+SEPARATE = {"hidden_states.capture": "separate"}
 MATRIX = [
     ("results_dir", "results_elsewhere"),
     ("device", "cuda"),
@@ -62,7 +63,8 @@ MATRIX = [
     ("generation.max_error_fraction", 0.1),
     ("generation.request_timeout_s", 100),
     ("generation.max_retries", 1),
-    ("generation.endpoint", {"base_url": "http://127.0.0.1:9/v1"}),
+    # The demo runs in one pass, which needs its own generation server and stored states.
+    ("generation.endpoint", {"base_url": "http://127.0.0.1:9/v1"}, SEPARATE),
     ("dataset.seq_length", 400),
     ("dataset.min_trainable_tokens", 2),
     ("extraction.shards", 3),
@@ -70,9 +72,9 @@ MATRIX = [
     ("extraction.request_timeout_s", 100),
     ("extraction.max_retries", 1),
     ("hidden_states.disk_budget", "1 MB"),  # part of the rows stored, the rest captured
-    ("hidden_states.disk_budget", 0),  # fully online: no extraction job
+    ("hidden_states.disk_budget", 0, SEPARATE),  # fully online: no extraction job
     ("hidden_states.stored_dtype", "fp8"),
-    ("hidden_states.capture", "during_generation"),  # one pass: generation saves the states
+    ("hidden_states.capture", "separate"),  # a prefill extraction instead of one pass
     ("hidden_states.capture_memory_fraction", 0.6),
     ("training.epochs", 16),
     ("training.lr", 0.001),
@@ -97,13 +99,14 @@ MATRIX = [
 ]
 
 
-def changed_config(base: dict, key: str, value) -> dict:
+def changed_config(base: dict, key: str, value, also: dict | None = None) -> dict:
     config = copy.deepcopy(base)
-    *parents, leaf = key.split(".")
-    section = config
-    for part in parents:
-        section = section.setdefault(part, {})
-    section[leaf] = value
+    for path, new in {key: value, **(also or {})}.items():
+        *parents, leaf = path.split(".")
+        section = config
+        for part in parents:
+            section = section.setdefault(part, {})
+        section[leaf] = new
     return config
 
 
@@ -120,9 +123,9 @@ def test_each_key_changed_alone_plans_exactly_what_the_table_says(demo_run):
     """The invalidation matrix: on the finished demo, `snakemake -n` plans exactly the rules
     settings.py names for each key (no stage runs: planning only)."""
     base = demo_config(demo_run)
-    other_source = dict(MATRIX)["questions.source"]
+    other_source = next(value for key, value, *_ in MATRIX if key == "questions.source")
     shutil.copy(demo_run / base["questions"]["source"], demo_run / other_source)
-    cases = {f"{key}={json.dumps(value)}": changed_config(base, key, value) for key, value in MATRIX}
+    cases = {f"{key}={json.dumps(value)}": changed_config(base, key, value, *also) for key, value, *also in MATRIX}
     with ThreadPoolExecutor(2) as pool:  # dry runs only read; two at a time on two cores
         jobs = pool.map(lambda item: dry_run(demo_run, item[1], f"matrix_{item[0]}"), enumerate(cases.values()))
         planned = dict(zip(cases, jobs, strict=True))

@@ -1,10 +1,11 @@
 """The demo DAG end to end through Snakemake, on a copy of the workflow (the slowest test).
 
-On the interrupted and resumed demo run (tests/demo_run.py): the resumed run lost and
-repeated nothing, the wiring proof (trained drafter vs untrained), nothing left to do on a
-rerun, each config's own results_dir, no server left behind, the HTML report, and last,
-re-runs that reuse finished work (extraction requests nothing again, training resumes). The
-invalidation matrix on the same run is test_rerun_matrix.py.
+On the interrupted and resumed demo run (tests/demo_run.py, in one pass): the resumed run lost
+and repeated nothing, each answer's states captured once, the wiring proof (trained drafter vs
+untrained), nothing left to do on a rerun, each config's own results_dir, no server left
+behind, the HTML report, and last, re-runs that reuse finished work (extraction requests
+nothing again, training resumes). The invalidation matrix on the same run is
+test_rerun_matrix.py.
 """
 
 import json
@@ -18,6 +19,7 @@ from conftest import heavy_processes
 from demo_run import demo_config, snakemake
 from interrupt import count, uninterrupted_question_ids
 
+from draftsmith.one_pass import ADOPTED
 from draftsmith.records import RowIds, ShardManifest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +49,14 @@ def test_interrupted_anywhere_the_same_commands_finish_without_redoing_work(inte
     row_ids = RowIds.read(workdir / "results/dataset").ids
     assert sorted(row_ids) == planned
     assert count("results/hidden_states/all/hs_*.safetensors", workdir) == len(row_ids)
+    # One pass, across the Ctrl-C: each answer's states were captured once, and the extraction
+    # adopted every row without loading the target.
+    assert count("results/.staging/completions/*/captures/*.safetensors", workdir) == len(planned)
+    for shard in sorted(workdir.glob("results/hidden_states/shard_*")):
+        manifest = ShardManifest.read(shard)
+        assert manifest is not None and manifest.captured_during_generation == {ADOPTED: manifest.num_rows}
+    for log in sorted(workdir.glob("results/logs/extract/shard_*.log")):
+        assert "starting vLLM" not in log.read_text()
     # Training resumed from its checkpoints instead of starting over.
     assert stops.checkpoints_before_kill >= 2
     assert "Resuming training on epoch" in (workdir / "results/logs/train.log").read_text()
@@ -227,7 +237,8 @@ def test_forced_reruns_reuse_finished_work(demo_run):
         assert ", 0 to request" in text, text[-2000:]
         assert "starting vLLM" not in text
     hidden_state = next((results / "hidden_states/shard_0").glob("hs_*.safetensors"))
-    assert hidden_state.stat().st_nlink == 2  # the published name and the staged one
+    # The published name, the staged one and the file the generation server captured.
+    assert hidden_state.stat().st_nlink == 3
     train_log = (results / "logs/train.log").read_text()
     assert "starting afresh" not in train_log and "Starting fresh training run" not in train_log
     assert "Resuming training on epoch" in train_log
