@@ -69,7 +69,13 @@ def test_a_missing_patched_vllm_class_is_named(monkeypatch, target, tmp_path):
     assert len(problems) == 1 and "base.RotaryEmbedding (AttributeError)" in problems[0]
 
 
-ALL_PLUGINS = ["draftsmith_cpu_rope", "draftsmith_cpu_sampling", "draftsmith_cpu_amx", "draftsmith_cpu_seeded"]
+ALL_PLUGINS = [
+    "draftsmith_cpu_rope",
+    "draftsmith_cpu_sampling",
+    "draftsmith_cpu_amx",
+    "draftsmith_cpu_seeded",
+    "draftsmith_cpu_idle",
+]
 
 
 @pytest.mark.parametrize(
@@ -77,7 +83,10 @@ ALL_PLUGINS = ["draftsmith_cpu_rope", "draftsmith_cpu_sampling", "draftsmith_cpu
     [
         ("lora_filesystem_resolver", ALL_PLUGINS),
         ("", ALL_PLUGINS),
-        ("draftsmith_cpu_rope,draftsmith_cpu_amx,draftsmith_cpu_seeded", ["draftsmith_cpu_sampling"]),
+        (
+            "draftsmith_cpu_rope,draftsmith_cpu_amx,draftsmith_cpu_seeded,draftsmith_cpu_idle",
+            ["draftsmith_cpu_sampling"],
+        ),
     ],
 )
 def test_vllm_plugins_that_leave_out_a_cpu_fix_are_named(plugins, left_out, monkeypatch, target, tmp_path):

@@ -36,7 +36,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from draftsmith import vllm_cpu_amx, vllm_cpu_rope, vllm_cpu_sampling, vllm_cpu_seeded
+from draftsmith import vllm_cpu_amx, vllm_cpu_idle, vllm_cpu_rope, vllm_cpu_sampling, vllm_cpu_seeded
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_config
 from draftsmith.errors import DraftsmithError
@@ -145,6 +145,7 @@ VLLM_PLUGINS = {
     vllm_cpu_sampling: "samples speculative decoding at garbage temperatures",
     vllm_cpu_amx: "crashes on AMX hosts (SIGILL in its attention kernel)",
     vllm_cpu_seeded: "crashes seeded sampling of a prompt prefilled in chunks",
+    vllm_cpu_idle: "spins most of a core while idle, taking it from the trainer beside a capture server",
 }
 
 
