@@ -217,18 +217,27 @@ def test_a_named_prompt_limit_keeps_the_questions_when_the_answers_get_shorter_o
 
 
 @pytest.mark.parametrize(
-    ("key", "value", "reruns", "stays"),
+    ("capture", "key", "value", "reruns", "stays"),
     [
         # Storing fp8 re-makes the shards and retrains; the answers and the dataset stay.
-        ("hidden_states.stored_dtype", "fp8", {"extract", "train"}, {"generate", "dataset"}),
+        ("separate", "hidden_states.stored_dtype", "fp8", {"extract", "train"}, {"generate", "dataset"}),
+        # In one pass (the demo's) the answers and their states are one job's output.
+        ("during_generation", "hidden_states.stored_dtype", "fp8", {"generate", "extract", "train"}, set()),
         # Fully online: training again, and no extraction job in the DAG at all.
-        ("hidden_states.disk_budget", 0, {"train"}, {"extract", "generate", "dataset"}),
+        ("separate", "hidden_states.disk_budget", 0, {"train"}, {"extract", "generate", "dataset"}),
         # One more draft length is one more job; the others and the baseline stay.
-        ("evaluation.num_speculative_tokens", [3, 1, 2], {"evaluate_drafter"}, {"evaluate_baseline", "train"}),
+        (
+            "during_generation",
+            "evaluation.num_speculative_tokens",
+            [3, 1, 2],
+            {"evaluate_drafter"},
+            {"evaluate_baseline", "train"},
+        ),
     ],
 )
-def test_what_a_change_reruns_on_a_finished_run(key, value, reruns, stays):
+def test_what_a_change_reruns_on_a_finished_run(capture, key, value, reruns, stays):
     base = demo_config()
+    base["hidden_states"]["capture"] = capture
     changed = yaml.safe_load(yaml.safe_dump(base))
     section, leaf = key.split(".")
     changed[section][leaf] = value
