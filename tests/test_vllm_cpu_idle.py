@@ -49,9 +49,9 @@ def test_a_reader_spins_only_briefly_after_a_read_and_is_patched_once(queue_sock
 
 
 def test_an_idle_reader_never_sleeps_past_a_message_nobody_announced(queue_sockets):
-    """vLLM's reader, once idle, waits for the writer's notification with no time limit; a
-    notification lost on the way (the socket drops one while another is in flight) left a
-    request hanging. With the plugin it looks at the queue again after 10 ms at most."""
+    """vLLM's reader, once idle, waits for the writer's notification with no time limit; with
+    its spin turned off and no limit, a request hung (a notification lost on the way, most
+    likely). With the plugin it looks at the queue again after 10 ms at most."""
     _, reader = queue_sockets
     reader.last_read = 0.0  # idle: long past its last read
     assert waits_returned(reader, timeout_ms=None)
