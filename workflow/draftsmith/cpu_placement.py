@@ -25,6 +25,12 @@ from draftsmith.progress import log
 ENGINE_PROCESS_PREFIX = "VLLM::"
 
 
+def single_process_engine_cores(allowed: set[int]) -> set[int]:
+    """The cores for an engine that runs its worker in-process: every core but the last,
+    the one vLLM's own binding (``auto``) reserves for the API server and the client."""
+    return set(sorted(allowed)[:-1]) or set(allowed)
+
+
 def _thread_ids(process: psutil.Process) -> list[int]:
     with contextlib.suppress(psutil.Error):
         return [thread.id for thread in process.threads()]
@@ -55,9 +61,10 @@ def _name(process: psutil.Process) -> str:
 
 
 @contextlib.contextmanager
-def engine_cores_kept_free(server_pid: int) -> Iterator[None]:
+def engine_cores_kept_free(server_pid: int, engine_cores: set[int] | None = None) -> Iterator[None]:
     """Inside the block: the server's frontend processes and this process run on the cores
     the engine is not bound to, its unbound engine processes on the engine's cores.
+    ``engine_cores``: where a single-process engine (nothing bound) goes.
     This process gets its own affinity back afterwards."""
     allowed = os.sched_getaffinity(0)
     try:
@@ -67,7 +74,8 @@ def engine_cores_kept_free(server_pid: int) -> Iterator[None]:
         processes = []
     # Per process, the cores its bound threads use: empty except for vLLM's workers.
     bound_by = {process: _bound_cores(process, allowed) for process in processes}
-    bound = set().union(*bound_by.values())
+    # A single-process engine binds nothing: its cores are the ones the job chose for it.
+    bound = set().union(*bound_by.values()) or set(engine_cores or ())
     frontend = allowed - bound
     if not bound or not frontend:
         log(f"CPU placement: vLLM's engine is bound to {'every' if bound else 'no'} core; left as it is")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import secrets
 import socket
 import subprocess
@@ -25,7 +26,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftsmith.cpu_placement import engine_cores_kept_free
+from draftsmith.cpu_placement import engine_cores_kept_free, single_process_engine_cores
 from draftsmith.errors import DraftsmithError
 from draftsmith.guard import guarded, interrupt_main_thread, restore_sigint, stop_process_group, uncapped_environment
 from draftsmith.progress import log, stderr_file
@@ -117,6 +118,21 @@ class ServerSpec:
             env={k: str(v) for k, v in server.env.items()},
             cpu_device=config.device == "cpu",
         )
+
+    @property
+    def single_process_engine(self) -> bool:
+        """One CPU rank runs its worker inside vLLM's engine-core process.
+
+        vLLM's CPU build otherwise spawns a worker process beside the engine core, and each
+        spawned process imports vLLM anew: about 10 s of a 31 s start on a 2-core machine,
+        paid at every model load. In-process, the engine also skips the shared-memory hop to
+        its worker: 593-677 against 498-564 tokens/s on the same small model (measured with
+        `bench/cpu_idle_server.py`'s client shape, 160 requests at concurrency 8). vLLM
+        refuses this on CPU because it cannot bind a running process's OpenMP threads, so
+        the job sizes them (OMP_NUM_THREADS) and pins the engine process itself
+        (cpu_placement). A user who sets vLLM's binding or multiprocessing keeps vLLM's way."""
+        own_choice = {"VLLM_CPU_OMP_THREADS_BIND", "VLLM_ENABLE_V1_MULTIPROCESSING"} & self.env.keys()
+        return self.cpu_device and self.tensor_parallel_size * self.data_parallel_size == 1 and not own_choice
 
     def command(self, port: int) -> list[str]:
         """The argv of the server; a list, never a shell string (paths may hold anything)."""
@@ -255,8 +271,12 @@ def managed_server(
 
     port = free_port()
     endpoint = Endpoint(f"http://127.0.0.1:{port}/v1", api_key or secrets.token_urlsafe(24), spec.model)
+    engine_cores, engine_env = None, {}
+    if spec.single_process_engine:
+        engine_cores = single_process_engine_cores(os.sched_getaffinity(0))
+        engine_env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(len(engine_cores))}
     # The key goes through the environment, not argv, so `ps` does not show it.
-    env = uncapped_environment(**spec.env, VLLM_API_KEY=endpoint.api_key)
+    env = uncapped_environment(**{**engine_env, **spec.env}, VLLM_API_KEY=endpoint.api_key)
     with contextlib.ExitStack() as stack:
         if log_path is None:
             output, tail_path = sys.stderr, stderr_file()
@@ -276,7 +296,7 @@ def managed_server(
         )
     try:
         wait_until_healthy(process, endpoint, tail_path, spec.startup_timeout_s)
-        placement = engine_cores_kept_free(process.pid) if spec.cpu_device else contextlib.nullcontext()
+        placement = engine_cores_kept_free(process.pid, engine_cores) if spec.cpu_device else contextlib.nullcontext()
         watch = DeathWatch(process)
         try:
             with placement:

@@ -1,0 +1,107 @@
+"""A vLLM CPU server's start and throughput, with its worker in the engine-core process (how
+draftsmith's jobs run one CPU rank, `ServerSpec.single_process_engine`) and as vLLM runs it
+(a worker process of its own, ``VLLM_ENABLE_V1_MULTIPROCESSING=1``).
+
+Both through `managed_server`, so both get the job's CPU placement. Per mode and repetition:
+the seconds until /health answers, then 160 completions of 32 tokens at concurrency 8, three
+times (tokens/s). The model is any checkpoint (default: a random 4-layer Llama of width 256
+with the demo's tokenizer, built here in a second: the start is vLLM's, not the model's).
+
+    python bench/single_process_engine.py [--model results/demo_model] [--repetitions 2]
+"""
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from results_file import write_result
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
+from draftsmith.server import ServerSpec, managed_server  # noqa: E402
+
+MODES = {"single_process": {}, "worker_process": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}}
+REQUESTS, CONCURRENCY, MAX_TOKENS = 160, 8, 32
+
+
+def small_model(directory: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from draftsmith.demo_language import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+async def tokens_per_second(endpoint) -> float:
+    limit = asyncio.Semaphore(CONCURRENCY)
+    async with httpx.AsyncClient(headers=endpoint.headers(), timeout=300) as client:
+
+        async def one(index: int) -> int:
+            body = {"model": endpoint.model, "prompt": f"a b c {index}", "max_tokens": MAX_TOKENS}
+            async with limit:
+                response = await client.post(f"{endpoint.base_url}/completions", json=body | {"ignore_eos": True})
+            return response.json()["usage"]["completion_tokens"]
+
+        started = time.monotonic()
+        tokens = sum(await asyncio.gather(*(one(i) for i in range(REQUESTS))))
+        return tokens / (time.monotonic() - started)
+
+
+def measure(model: Path, env: dict[str, str], log: Path) -> dict:
+    base = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    spec = ServerSpec(
+        model=str(model),
+        max_model_len=1024,
+        extra_args=["--enforce-eager", "--dtype", "bfloat16"],
+        env=base | env,
+        cpu_device=True,
+        startup_timeout_s=600,
+    )
+    started = time.monotonic()
+    with managed_server(spec, log) as endpoint:
+        ready_s = time.monotonic() - started
+        rates = [asyncio.run(tokens_per_second(endpoint)) for _ in range(3)]
+    return {"ready_s": round(ready_s, 1), "tokens_per_s": [round(rate, 1) for rate in rates]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path)
+    parser.add_argument("--repetitions", type=int, default=2)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as work:
+        model = args.model or small_model(Path(work) / "model")
+        runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+        for repetition in range(args.repetitions):  # interleaved: a slow minute hits both
+            for mode, env in MODES.items():
+                runs[mode].append(measure(model, env, Path(work) / f"{mode}_{repetition}.log"))
+                print(mode, runs[mode][-1], flush=True)
+    write_result(
+        "single_process_engine",
+        {
+            "model": str(args.model) if args.model else "random Llama, 4 layers, width 256 (demo tokenizer)",
+            "cpu_count": os.cpu_count(),
+            "requests": {"count": REQUESTS, "concurrency": CONCURRENCY, "max_tokens": MAX_TOKENS},
+            "runs": runs,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
