@@ -2,7 +2,8 @@
 draftsmith's jobs run one CPU rank, `ServerSpec.single_process_engine`) and as vLLM runs it
 (a worker process of its own, ``VLLM_ENABLE_V1_MULTIPROCESSING=1``).
 
-Both through `managed_server`, so both get the job's CPU placement. Per mode and repetition:
+Both through `managed_server`, so both get the job's CPU placement. Per mode, repetition and
+serving (the target alone, and with vLLM's n-gram lookup, which runs numba in the engine):
 the seconds until /health answers, then 160 completions of 32 tokens at concurrency 8, three
 times (tokens/s). The model is any checkpoint (default: a random 4-layer Llama of width 256
 with the demo's tokenizer, built here in a second: the start is vLLM's, not the model's).
@@ -12,6 +13,7 @@ with the demo's tokenizer, built here in a second: the start is vLLM's, not the 
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 import tempfile
@@ -25,7 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
 from draftsmith.server import ServerSpec, managed_server  # noqa: E402
 
 MODES = {"single_process": {}, "worker_process": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+SERVING = {"target_alone": [], "ngram_k3": ["--speculative-config", json.dumps(NGRAM)]}
 REQUESTS, CONCURRENCY, MAX_TOKENS = 160, 8, 32
+PROMPT = "a b c d a b c d a b c "  # repeats: n-gram lookup finds matches in it
 
 
 def small_model(directory: Path) -> Path:
@@ -53,7 +58,7 @@ async def tokens_per_second(endpoint) -> float:
     async with httpx.AsyncClient(headers=endpoint.headers(), timeout=300) as client:
 
         async def one(index: int) -> int:
-            body = {"model": endpoint.model, "prompt": f"a b c {index}", "max_tokens": MAX_TOKENS}
+            body = {"model": endpoint.model, "prompt": f"{PROMPT}{index}", "max_tokens": MAX_TOKENS}
             async with limit:
                 response = await client.post(f"{endpoint.base_url}/completions", json=body | {"ignore_eos": True})
             return response.json()["usage"]["completion_tokens"]
@@ -63,12 +68,12 @@ async def tokens_per_second(endpoint) -> float:
         return tokens / (time.monotonic() - started)
 
 
-def measure(model: Path, env: dict[str, str], log: Path) -> dict:
+def measure(model: Path, env: dict[str, str], serving: list[str], log: Path) -> dict:
     base = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
     spec = ServerSpec(
         model=str(model),
         max_model_len=1024,
-        extra_args=["--enforce-eager", "--dtype", "bfloat16"],
+        extra_args=["--enforce-eager", "--dtype", "bfloat16", *serving],
         env=base | env,
         cpu_device=True,
         startup_timeout_s=600,
@@ -87,11 +92,13 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as work:
         model = args.model or small_model(Path(work) / "model")
-        runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+        runs: dict[str, list[dict]] = {f"{mode}, {name}": [] for mode in MODES for name in SERVING}
         for repetition in range(args.repetitions):  # interleaved: a slow minute hits both
             for mode, env in MODES.items():
-                runs[mode].append(measure(model, env, Path(work) / f"{mode}_{repetition}.log"))
-                print(mode, runs[mode][-1], flush=True)
+                for name, serving in SERVING.items():
+                    key = f"{mode}, {name}"
+                    runs[key].append(measure(model, env, serving, Path(work) / f"{mode}_{name}_{repetition}.log"))
+                    print(key, runs[key][-1], flush=True)
     write_result(
         "single_process_engine",
         {

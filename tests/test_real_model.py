@@ -33,7 +33,7 @@ def ci_config() -> dict:
     config["server"]["max_model_len"] = CONTEXT
     config["questions"] |= {"limit": 32, "heldout": 8}
     config["generation"]["max_tokens"] = ANSWER
-    config["dataset"]["seq_length"] = CONTEXT
+    config["dataset"]["seq_length"] = CONTEXT - 1  # extraction asks for one token more
     # A separate extraction: the prefill reference for the parity test below, and the one
     # Snakemake run of that path in CI (the demo, DeepSeek and SLURM runs are one pass).
     config["hidden_states"] = {"capture": "separate"}

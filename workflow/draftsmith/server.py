@@ -126,11 +126,10 @@ class ServerSpec:
         vLLM's CPU build otherwise spawns a worker process beside the engine core, and each
         spawned process imports vLLM anew: about 10 s of a 31 s start on a 2-core machine,
         paid at every model load. In-process, the engine also skips the shared-memory hop to
-        its worker: 593-677 against 498-564 tokens/s on the same small model (measured with
-        `bench/cpu_idle_server.py`'s client shape, 160 requests at concurrency 8). vLLM
-        refuses this on CPU because it cannot bind a running process's OpenMP threads, so
-        the job sizes them (OMP_NUM_THREADS) and pins the engine process itself
-        (cpu_placement). A user who sets vLLM's binding or multiprocessing keeps vLLM's way."""
+        its worker and serves more tokens/s (bench/single_process_engine.py). vLLM refuses
+        this on CPU because it cannot bind a running process's OpenMP threads, so the job
+        sizes them (OMP_NUM_THREADS) and pins the engine process itself (cpu_placement). A
+        user who sets vLLM's binding or multiprocessing keeps vLLM's way."""
         own_choice = {"VLLM_CPU_OMP_THREADS_BIND", "VLLM_ENABLE_V1_MULTIPROCESSING"} & self.env.keys()
         return self.cpu_device and self.tensor_parallel_size * self.data_parallel_size == 1 and not own_choice
 
@@ -274,7 +273,13 @@ def managed_server(
     engine_cores, engine_env = None, {}
     if spec.single_process_engine:
         engine_cores = single_process_engine_cores(os.sched_getaffinity(0))
-        engine_env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(len(engine_cores))}
+        engine_env = {
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "OMP_NUM_THREADS": str(len(engine_cores)),
+            # vLLM's n-gram proposer uses one numba thread on a CPU; numba's idle pool threads,
+            # pinned beside the model, cut n-gram serving from 35 to 6 tokens/s (measured).
+            "NUMBA_NUM_THREADS": "1",
+        }
     # The key goes through the environment, not argv, so `ps` does not show it.
     env = uncapped_environment(**{**engine_env, **spec.env}, VLLM_API_KEY=endpoint.api_key)
     with contextlib.ExitStack() as stack:
