@@ -4,11 +4,13 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import psutil
 import pytest
 
 from draftsmith.cpu_placement import engine_cores_kept_free, single_process_engine_cores
+from draftsmith.server import ServerSpec
 
 ALLOWED = os.sched_getaffinity(0)
 pytestmark = pytest.mark.skipif(len(ALLOWED) < 2, reason="placement needs at least 2 cores")
@@ -97,3 +99,19 @@ def test_a_single_process_engine_goes_where_the_job_chose(engine_tree):
 
 def test_one_core_is_left_to_the_engine():
     assert single_process_engine_cores({3}) == {3}
+
+
+@pytest.mark.parametrize(
+    ("changes", "single"),
+    [
+        ({}, True),
+        ({"tensor_parallel_size": 2}, False),  # vLLM's workers, bound by vLLM
+        ({"data_parallel_size": 2}, False),
+        ({"env": {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}}, False),  # the user's binding is kept
+        ({"env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}}, False),
+        ({"cpu_device": False}, False),  # a GPU's workers are never folded in
+    ],
+)
+def test_only_one_cpu_rank_without_a_binding_of_the_users_runs_in_one_process(changes, single):
+    spec = ServerSpec(model="m", cpu_device=True)
+    assert replace(spec, **changes).single_process_engine is single
