@@ -5,8 +5,8 @@ draftsmith's jobs run one CPU rank, `ServerSpec.single_process_engine`) and as v
 Both through `managed_server`, so both get the job's CPU placement. Per mode, repetition and
 serving (the target alone, and with vLLM's n-gram lookup, which runs numba in the engine):
 the seconds until /health answers, then 160 completions of 32 tokens at concurrency 8, three
-times (tokens/s). The model is any checkpoint (default: a random 4-layer Llama of width 256
-with the demo's tokenizer, built here in a second: the start is vLLM's, not the model's).
+times (tokens/s). The model is any checkpoint (default: the demo target's shape, untrained,
+built here in a second: the start is vLLM's, not the model's).
 
     python bench/single_process_engine.py [--model results/demo_model] [--repetitions 2]
 """
@@ -34,21 +34,14 @@ PROMPT = "a b c d a b c d a b c "  # repeats: n-gram lookup finds matches in it
 
 
 def small_model(directory: Path) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The demo target's shape (demo_model.model_config), untrained."""
+    from transformers import LlamaForCausalLM
 
     from draftsmith.demo_language import build_tokenizer
+    from draftsmith.demo_model import model_config
 
     tokenizer = build_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-    )
-    LlamaForCausalLM(config).save_pretrained(directory)
+    LlamaForCausalLM(model_config(tokenizer)).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
 
@@ -72,7 +65,7 @@ def measure(model: Path, env: dict[str, str], serving: list[str], log: Path) -> 
     base = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
     spec = ServerSpec(
         model=str(model),
-        max_model_len=1024,
+        max_model_len=512,
         extra_args=["--enforce-eager", "--dtype", "bfloat16", *serving],
         env=base | env,
         cpu_device=True,
@@ -102,7 +95,7 @@ def main() -> None:
     write_result(
         "single_process_engine",
         {
-            "model": str(args.model) if args.model else "random Llama, 4 layers, width 256 (demo tokenizer)",
+            "model": str(args.model) if args.model else "the demo target's shape, untrained",
             "cpu_count": os.cpu_count(),
             "requests": {"count": REQUESTS, "concurrency": CONCURRENCY, "max_tokens": MAX_TOKENS},
             "runs": runs,

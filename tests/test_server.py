@@ -12,6 +12,7 @@ import pytest
 from conftest import heavy_processes, heavy_processes_after, server_settings
 
 from draftsmith import server
+from draftsmith.cpu_placement import single_process_engine_cores
 from draftsmith.run_config import RunConfig
 from draftsmith.server import ServerError, ServerSpec, managed_server
 
@@ -44,7 +45,7 @@ def assert_engine_cores_kept_free(processes: list[psutil.Process], allowed: set[
     """One CPU rank runs in vLLM's engine-core process (no worker process): the job pins it
     to every core but the last, and the API server and this (client) process to the last."""
     assert not [p for p in processes if p.name() == "VLLM::Worker"], "the worker runs in the engine core"
-    engine = set(sorted(allowed)[:-1])
+    engine = single_process_engine_cores(allowed)  # every core but the last (test_cpu_placement)
     frontend = allowed - engine
     api_server = next(p for p in processes if "--port" in p.cmdline())
     assert all(cores == frontend for cores in thread_affinities(api_server))
