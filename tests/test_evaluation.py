@@ -396,7 +396,7 @@ def test_counters_are_summed_over_engines_and_labels():
             "",
         ]
     )
-    assert spec_decode_counters(page) == {"drafts": 15, "draft_tokens": 30, "accepted_tokens": 21}
+    assert spec_decode_counters(page) == {"drafts": 15, "draft_tokens": 30, "accepted_tokens": 21, "per_position": {}}
     assert counter_totals(page, ["vllm:request_success_total", "absent"]) == {
         "vllm:request_success_total": 9,
         "absent": 0,
@@ -521,3 +521,29 @@ def test_other_kinds_are_options_beside_eagle3_and_served_with_their_own_method(
     close = {"peagle": {3: kind_job("peagle", 3, 1.2, [0, 0, 0, 20])}}
     (row,) = summarize(settings([3], 8), baseline, eagle3, None, None, close)["recommendation"]
     assert row["serve_within_noise"][-2:] == ["drafter k=3", "peagle k=3"]
+
+
+def per_position_page(drafts: int, accepted_by_position: list[int]) -> str:
+    lines = ["# TYPE vllm:spec_decode_num_drafts counter", f'vllm:spec_decode_num_drafts_total{{engine="0"}} {drafts}']
+    lines += ["# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter"]
+    lines += [
+        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",position="{p}"}} {n}'
+        for p, n in enumerate(accepted_by_position)
+    ]
+    return "\n".join([*lines, ""])
+
+
+def test_a_vllm_without_per_request_metrics_gives_the_histogram_from_its_counters():
+    """vLLM 0.26 has no per-request acceptance: the steps between two readings of its
+    per-position counters give the same histogram (steps that accepted exactly j tokens)."""
+    from draftsmith.evaluate import acceptance_length, histogram_between, spec_decode_counters
+    from draftsmith.records import Tally
+
+    before = spec_decode_counters(per_position_page(4, [3, 2, 1]))
+    # 10 more steps at k=3: 2 accepted none, 3 accepted one, 1 two, 4 all three.
+    after = spec_decode_counters(per_position_page(14, [3 + 8, 2 + 5, 1 + 4]))
+    assert after["per_position"] == {0: 11, 1: 7, 2: 5}
+    histogram = histogram_between(before, after)
+    assert histogram == [2, 3, 1, 4]
+    assert acceptance_length(Tally(histogram=histogram)) == 1 + (3 + 2 + 12) / 10
+    assert histogram_between(after, after) == []  # no drafts (n-gram found no match): no steps

@@ -388,3 +388,18 @@ def test_hidden_states_past_the_free_disk_name_the_budget_that_fits(target, tmp_
     assert preflight.check_disk(RunConfig.from_dict(settings), tmp_path / "results") == []
     settings["hidden_states"]["disk_budget"] = 0
     assert preflight.check_disk(RunConfig.from_dict(settings), tmp_path / "results") == []
+
+
+def test_names_only_the_cpu_plugins_use_are_not_looked_up_on_cuda(monkeypatch):
+    """The CPU plugins do nothing on CUDA: a CUDA build without their names passes, a CPU one fails."""
+    missing = sorted(preflight.CPU_ONLY_NAMES)
+    assert ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner") in missing
+    assert not preflight.CPU_ONLY_NAMES & set(preflight.declared("THIRD_PARTY", cpu_plugins=False))
+
+    def load(module, attribute):
+        if (module, attribute) in preflight.CPU_ONLY_NAMES:
+            raise AttributeError(f"{module} has no {attribute}")
+
+    monkeypatch.setattr(preflight, "_load", load)
+    assert preflight.check_required_names("cuda") == []
+    assert len(preflight.check_required_names("cpu")) == len(missing)

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from draftsmith import vllm_build
+
 DEFAULT_KIND = "eagle3"  # the drafter the workflow has always trained: drafter/, eval/drafter_k<k>
 
 
@@ -71,7 +73,13 @@ def serving_problem(kind: str, device: str) -> str | None:
     """One line naming why vLLM cannot serve ``kind`` on ``device`` and what to do, or None."""
     known = KINDS[kind]
     if device in known.devices:
-        return None
+        if vllm_build.installed_version() is None or vllm_build.loads_speculators_format(kind):
+            return None
+        newest = vllm_build.dotted(vllm_build.SUPPORTED[device][1])
+        return (
+            f"config training.kinds: the installed vLLM does not read {kind} drafters (its format came in a later "
+            f"release); drop {kind} from training.kinds or install vLLM {newest}"
+        )
     where = f"only on {', '.join(known.devices)}" if known.devices else "on no device"
     servable = sorted(name for name, other in KINDS.items() if device in other.devices)
     return (

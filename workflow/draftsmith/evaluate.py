@@ -11,7 +11,10 @@ a time, and records per phase and per category:
 
 - tokens and wall time (throughput), and each request's own latency;
 - vLLM's per-request acceptance histogram (``--per-request-spec-decode-metrics``):
-  the count of verify steps that accepted exactly ``j`` draft tokens.
+  the count of verify steps that accepted exactly ``j`` draft tokens. A vLLM without that
+  option (before 0.29, see ``vllm_build``) gives the same histogram per phase and category
+  from its ``/metrics`` counters, read before and after each category's requests, which
+  are then sent one category after another.
 
     acceptance length = 1 + accepted tokens / verify steps
     acceptance at position p = steps that accepted more than p tokens / steps
@@ -36,6 +39,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from draftsmith import vllm_build
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.client import SPECULATORS_CLIENT, chat_poster, open_session
@@ -61,9 +65,8 @@ FREE_METHODS: dict[str, dict[str, Any]] = {
     "ngram": {"prompt_lookup_min": 2, "prompt_lookup_max": 4},
     "suffix": {},
 }
-# The engine option that puts each request's acceptance in its response (experimental in
-# vLLM 0.32: the preflight checks it is there).
-ENGINE_ARGS = ["per_request_spec_decode_metrics"]
+# Steps that accepted more than p draft tokens, by position p (vLLM's per-position counter).
+PER_POSITION_COUNTER = f"{SPEC_METRIC_PREFIX}accepted_tokens_per_pos_total"
 
 
 class EvaluationError(StageError):
@@ -79,16 +82,32 @@ def evaluation_stage(settings: RunConfig) -> ServerStage[int]:
 
 
 def spec_decode_counters(metrics_text: str) -> dict[str, Any]:
-    """Sum vLLM's spec-decode counters (over engines/labels) from a /metrics page."""
+    """Sum vLLM's spec-decode counters (over engines/labels) from a /metrics page, and the
+    accepted tokens by draft position (``per_position``: position -> steps)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     names = ("drafts", "draft_tokens", "accepted_tokens")
     totals = counter_totals(metrics_text, [f"{SPEC_METRIC_PREFIX}{name}_total" for name in names])
-    return {name: totals[f"{SPEC_METRIC_PREFIX}{name}_total"] for name in names}
+    per_position: dict[int, int] = defaultdict(int)
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == PER_POSITION_COUNTER:
+                per_position[int(sample.labels["position"])] += int(sample.value)
+    counters: dict[str, Any] = {name: totals[f"{SPEC_METRIC_PREFIX}{name}_total"] for name in names}
+    return counters | {"per_position": dict(sorted(per_position.items()))}
 
 
 async def run_phase(
-    stage: ServerStage[int], endpoint: Endpoint, prompts: list[dict[str, Any]], phase: Phase, label: str
+    stage: ServerStage[int],
+    endpoint: Endpoint,
+    prompts: list[dict[str, Any]],
+    phase: Phase,
+    label: str,
+    per_request: bool = True,
 ) -> None:
-    """Send the phase's prompts, ``phase.concurrency`` at a time, and tally the answers."""
+    """Send the phase's prompts, ``phase.concurrency`` at a time, and tally the answers.
+    Without ``per_request`` acceptance, each category's prompts go in turn and its
+    acceptance is the server counters' difference across them."""
     progress = Progress(f"{label}, set {phase.set}, concurrency {phase.concurrency}", len(prompts))
     async with open_session(endpoint, phase.concurrency, stage.policy.timeout_s) as session:
         post = chat_poster(session, endpoint)
@@ -105,8 +124,22 @@ async def run_phase(
             response = await post(payload)
             phase.categories[prompt["category"]].add(response, time.monotonic() - started)
 
+        groups: list[list[int]] = [list(range(len(prompts)))]
+        if not per_request:
+            by_category: dict[str, list[int]] = defaultdict(list)
+            for index, prompt in enumerate(prompts):
+                by_category[prompt["category"]].append(index)
+            groups = list(by_category.values())
         started = time.monotonic()
-        failures = await stage.request_all(range(len(prompts)), answer, progress, concurrency=phase.concurrency)
+        failures: dict[int, str] = {}
+        for group in groups:
+            before = None if per_request else await asyncio.to_thread(settled_counters, endpoint)
+            failures |= await stage.request_all(group, answer, progress, concurrency=phase.concurrency)
+            if before is not None:
+                after = await asyncio.to_thread(settled_counters, endpoint)
+                tally = phase.categories[prompts[group[0]]["category"]]
+                tally.histogram = summed(tally.histogram, histogram_between(before, after))
+                tally.draft_tokens += after["draft_tokens"] - before["draft_tokens"]
         phase.seconds = time.monotonic() - started
     kept = f"{progress.label}: a measurement keeps no work in progress; rerun the job once the cause is fixed"
     stage.check_failures(failures, len(prompts), kept)
@@ -116,6 +149,31 @@ async def run_phase(
         f"({whole.completion_tokens / phase.seconds if phase.seconds else 0:.1f} tok/s)"
         + (f", acceptance length {acceptance_length(whole):.2f}" if whole.histogram else "")
     )
+
+
+def settled_counters(endpoint: Endpoint, attempts: int = 20) -> dict[str, Any]:
+    """The spec-decode counters once two reads 0.1 s apart agree: the server records a
+    step's counts as its outputs are processed, so the last response can arrive first."""
+    counters = spec_decode_counters(read_metrics(endpoint))
+    for _ in range(attempts):
+        time.sleep(0.1)
+        again = spec_decode_counters(read_metrics(endpoint))
+        if again == counters:
+            break
+        counters = again
+    return counters
+
+
+def histogram_between(before: dict[str, Any], after: dict[str, Any]) -> list[int]:
+    """The acceptance histogram of the steps between two counter readings: of ``drafts``
+    verify steps, ``per_position[p]`` accepted more than ``p`` tokens."""
+    drafts = after["drafts"] - before["drafts"]
+    positions = max(len(before["per_position"]), len(after["per_position"]))
+    more_than = [after["per_position"].get(p, 0) - before["per_position"].get(p, 0) for p in range(positions)]
+    if not drafts:
+        return []
+    bounds = [drafts, *more_than, 0]
+    return [bounds[j] - bounds[j + 1] for j in range(positions + 1)]
 
 
 def sampling_label(sampling: dict[str, Any]) -> str:
@@ -133,9 +191,13 @@ def measure(
     ``--speculative-config`` ``speculation``: a drafter, or a method that needs no training."""
     settings = stage.settings
     extra = []
+    per_request = vllm_build.has_per_request_spec_decode_metrics()
     if speculation is not None:
         extra = ["--speculative-config", json.dumps(speculation)]
-        extra += ["--per-request-spec-decode-metrics", "summary"]
+        if per_request:
+            extra += ["--per-request-spec-decode-metrics", "summary"]
+        else:
+            log("this vLLM has no per-request spec-decode metrics: acceptance is read from /metrics per category")
     spec = ServerSpec.from_config(settings, extra_args=extra)
     spec = dataclasses.replace(spec, env={**spec.env, **attention.server_env()})
     label = speculation_label(speculation)
@@ -150,10 +212,12 @@ def measure(
 
         async def run_all() -> None:
             for phase in phases:
-                await run_phase(stage, endpoint, by_set[phase.set], phase, f"{label}, {sampling_label(phase.sampling)}")
+                phase_label = f"{label}, {sampling_label(phase.sampling)}"
+                await run_phase(stage, endpoint, by_set[phase.set], phase, phase_label, per_request)
 
         asyncio.run(run_all())
         counters = spec_decode_counters(read_metrics(endpoint))
+        del counters["per_position"]  # the histograms hold it
     measured = Measurement(
         drafter=None,
         num_speculative_tokens=None,

@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import hashlib
 import importlib
-import importlib.machinery
 import importlib.util
 import inspect
 import json
@@ -36,7 +35,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from draftsmith import vllm_cpu_amx, vllm_cpu_idle, vllm_cpu_rope, vllm_cpu_sampling, vllm_cpu_seeded
+from draftsmith import vllm_build, vllm_cpu_amx, vllm_cpu_idle, vllm_cpu_rope, vllm_cpu_sampling, vllm_cpu_seeded
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_config
 from draftsmith.errors import DraftsmithError
@@ -47,6 +46,7 @@ from draftsmith.questions import first_row_problem, is_local_source
 from draftsmith.run_config import EvaluationSetSettings, QuestionsSettings, RunConfig
 from draftsmith.serving import MLA_DISABLE_ENV, ServingError, evaluation_attention, mla_latent_problem
 from draftsmith.target import TargetShape, draft_vocab_problem, read_target_shape
+from draftsmith.vllm_build import module_file
 
 # What draftsmith uses from vLLM, speculators and torch is declared once, next to its use:
 # each module's THIRD_PARTY ((module, attribute) pairs; "Class.member" for a member it
@@ -55,27 +55,33 @@ from draftsmith.target import TargetShape, draft_vocab_problem, read_target_shap
 # SPECULATIVE_METHODS). `declared` collects them from the modules' source, without importing
 # them (that would import vLLM), and the checks below look each one up in the install.
 PACKAGE = Path(__file__).resolve().parent
+CPU_PLUGIN_PREFIX = "vllm_cpu_"  # draftsmith's plugins that correct vLLM's CPU build
 
 
-def declared(name: str) -> list[Any]:
-    """The concatenated values of every draftsmith module's top-level ``name = [...]``."""
+def declared(name: str, cpu_plugins: bool | None = None) -> list[Any]:
+    """The concatenated values of every draftsmith module's top-level ``name = [...]``; of
+    the vLLM CPU plugins' modules only (``cpu_plugins`` True) or of the others (False)."""
     values = []
-    for target, value in _top_level_assignments():
+    for module, target, value in _top_level_assignments():
+        if cpu_plugins is not None and module.startswith(CPU_PLUGIN_PREFIX) != cpu_plugins:
+            continue
         if target == name and isinstance(value, ast.List):  # not a module's own collections
             values += [tuple(v) if isinstance(v, list) else v for v in ast.literal_eval(value)]
     return values
 
 
 @functools.cache
-def _top_level_assignments() -> tuple[tuple[str, ast.expr], ...]:
-    """(name, value) of every module's top-level assignments, in file and line order. Parsed
-    once: every Snakemake start imports this module, and parsing the package for each of
-    the five lists took a fifth of a dry run."""
+def _top_level_assignments() -> tuple[tuple[str, str, ast.expr], ...]:
+    """(module, name, value) of every module's top-level assignments, in file and line order.
+    Parsed once: every Snakemake start imports this module, and parsing the package for each
+    of the five lists took a fifth of a dry run."""
     found = []
     for module in sorted(PACKAGE.glob("*.py")):
         for node in ast.parse(module.read_text()).body:
             if isinstance(node, ast.Assign):
-                found += [(target.id, node.value) for target in node.targets if isinstance(target, ast.Name)]
+                found += [
+                    (module.stem, target.id, node.value) for target in node.targets if isinstance(target, ast.Name)
+                ]
     return tuple(found)
 
 
@@ -87,6 +93,8 @@ THIRD_PARTY = [
     ("vllm.config.speculative", "SpeculativeMethod"),
 ]
 REQUIRED_NAMES = list(dict.fromkeys(declared("THIRD_PARTY")))
+# What only the vLLM CPU plugins use: not looked up on CUDA, where the plugins do nothing.
+CPU_ONLY_NAMES = set(declared("THIRD_PARTY", cpu_plugins=True)) - set(declared("THIRD_PARTY", cpu_plugins=False))
 TRAIN_FLAGS = declared("TRAIN_FLAGS")
 PREPARE_DATA_PARAMETERS = declared("PREPARE_DATA_PARAMETERS")
 ENGINE_ARGS = declared("ENGINE_ARGS")
@@ -124,9 +132,11 @@ def class_source(cls) -> str:
         return ""
 
 
-def check_required_names() -> list[str]:
+def check_required_names(device: str = "cpu") -> list[str]:
     problems = []
     for module, attribute in REQUIRED_NAMES:
+        if device != "cpu" and (module, attribute) in CPU_ONLY_NAMES:
+            continue
         try:
             _load(module, attribute)
         except (ImportError, AttributeError) as error:
@@ -219,22 +229,9 @@ def _checked_modules() -> list[str]:
 
 
 def _module_file_stamp(module: str) -> str:
-    """Path, mtime and size of a module's file, found without importing anything.
-
-    PathFinder, not importlib.util.find_spec: the latter would import the parent packages
-    (``import speculators`` is the slow part) and answers from sys.modules."""
-    top, *rest = module.split(".")
-    spec = importlib.machinery.PathFinder.find_spec(top, sys.path)
-    if spec is not None and not rest and spec.origin and not spec.submodule_search_locations:
-        return _file_stamp(Path(spec.origin))  # a plain module (sitecustomize.py)
-    if spec is None or not spec.submodule_search_locations:
-        return "missing"
-    for base in spec.submodule_search_locations:
-        package = Path(base, *rest)
-        for candidate in (package / "__init__.py", package.with_name(package.name + ".py")):
-            if candidate.is_file():
-                return _file_stamp(candidate)
-    return "missing"
+    """Path, mtime and size of a module's file, found without importing anything."""
+    path = module_file(module)
+    return _file_stamp(path) if path else "missing"
 
 
 def _file_stamp(path: Path) -> str:
@@ -242,12 +239,12 @@ def _file_stamp(path: Path) -> str:
     return f"{path}:{stat.st_mtime_ns}:{stat.st_size}"
 
 
-def install_fingerprint() -> str:
+def install_fingerprint(device: str = "cpu") -> str:
     """What the install checks depend on: the interpreter, PYTHONPATH, the libraries'
     versions, the file each checked module (and any sitecustomize) is found in, and what
     is checked. Not sys.path itself: it holds the working directory, which differs from
     run to run; a module found there instead shows up in its file's path."""
-    parts = [sys.executable, sys.version, f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}"]
+    parts = [device, sys.executable, sys.version, f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}"]
     parts += [f"{hook}:{_module_file_stamp(hook)}" for hook in ("sitecustomize", "usercustomize")]
     for name in FINGERPRINTED_DISTRIBUTIONS:
         try:
@@ -263,14 +260,18 @@ def default_install_cache() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "draftsmith" / "install_checks"
 
 
-def check_install(cache: Path | None = None) -> list[str]:
-    """The names, flags and options above; skipped when ``cache`` holds this install's
-    marker, which is left only after they all passed."""
-    marker = cache / install_fingerprint() if cache else None
+def check_install(cache: Path | None = None, device: str = "cpu") -> list[str]:
+    """The vLLM release, the names, flags and options above, and on a CPU the vLLM plugins;
+    skipped when ``cache`` holds this install's marker, which is left only after they all
+    passed."""
+    marker = cache / install_fingerprint(device) if cache else None
     if marker and marker.is_file():
         print(f"preflight: install unchanged since its checks passed ({marker}); not re-checked", file=sys.stderr)
         return []
-    problems = check_required_names() + check_speculators_cli() + check_vllm_options() + check_vllm_plugin()
+    problems = [problem] if (problem := vllm_build.version_problem(device)) else []
+    problems += check_required_names(device) + check_speculators_cli() + check_vllm_options()
+    if device == "cpu":  # the plugins correct the CPU build and do nothing on CUDA
+        problems += check_vllm_plugin()
     if marker and not problems:
         with contextlib.suppress(OSError):  # a read-only home only costs the next run 7 s
             atomic_write_text(marker, f"{sys.executable}\n")
@@ -447,7 +448,7 @@ def run_checks(
 ) -> list[str]:
     problems = check_local_inputs(settings)
     problems += check_hub_sources(settings)
-    problems += check_install(install_cache)
+    problems += check_install(install_cache, settings.device)
     problems += check_writable([results])
     problems += check_loopback_port()
     problems += check_free_methods(settings)

@@ -1,0 +1,216 @@
+"""The real model at real scale on one GPU: does a drafter trained on thousands of regenerated
+conversations beat n-gram lookup and the target alone?
+
+Runs the whole workflow on ``config/smollm2-sharegpt-gpu.yaml`` (SmolLM2-135M-Instruct from its
+GGUF, 8,000 ShareGPT V3 first turns answered again by the target, one-pass capture, HumanEval
+as a second set) and records, from the run's own files:
+- the questions stage's counts, wall seconds per heavy job (Snakemake's benchmark records),
+  tokens/s of generation and of training;
+- the drafter's validation metrics per epoch;
+- per draft length k, concurrency, method and set (greedy): acceptance length, tokens per
+  target step and tokens/s of the drafter, n-gram lookup and the target alone;
+- CUDA parity of the stored hidden states against Hugging Face's forward on the GPU at the
+  configured layers, for the one-pass rows of the run and for rows of a separate extraction
+  (a second, small run that shares the target), with the neighbouring layers' distance;
+- the recommendation the run made.
+
+    python bench/real_model_gpu.py [--draft-lengths 3] [--parity-rows 8] [--config FILE]
+
+``--config`` runs another config of the same shape (a CPU rehearsal of the bench at a tiny size).
+
+Each part is a plain Snakemake run, so an interrupted bench resumes where it stopped (the
+GPU set-up to run it on a machine without a package index: docs/gpu.md).
+"""
+
+import argparse
+import csv
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from real_model import per_set
+from results_file import write_result
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "workflow"))
+from draftsmith import vllm_build  # noqa: E402
+from draftsmith.layout import Layout  # noqa: E402
+from draftsmith.records import TrainingMetrics  # noqa: E402
+
+CONFIG = ROOT / "config/smollm2-sharegpt-gpu.yaml"
+
+
+def snakemake(config: dict, name: str, work: Path, targets: tuple[str, ...] = ()) -> float:
+    """One resumable Snakemake run of ``config``; its output goes to ``work/<name>.log``."""
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    started = time.monotonic()
+    with (work / f"{name}.log").open("a") as log:
+        done = subprocess.run(
+            # Targets first: --configfile takes every argument after it.
+            [sys.executable, "-m", "snakemake", *targets, "--cores", "all", "--resources", f"gpu={config['gpu_slot']}"]
+            + ["--configfile", str(path)],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    if done.returncode != 0:
+        raise SystemExit(f"{name} failed; see {work / name}.log")
+    return round(time.monotonic() - started, 1)
+
+
+def job_seconds(layout: Layout) -> dict[str, float]:
+    """Wall seconds of each heavy job, from Snakemake's benchmark records."""
+    seconds = {}
+    for record in sorted((layout.results / "benchmarks").rglob("*.tsv")):
+        with record.open() as handle:
+            row = next(csv.DictReader(handle, delimiter="\t"))
+        seconds[str(record.relative_to(layout.results / "benchmarks").with_suffix(""))] = round(float(row["s"]), 1)
+    return seconds
+
+
+def evaluations(config: dict, layout: Layout) -> dict:
+    """k -> concurrency -> method -> set -> acceptance, tokens per step and tokens/s (greedy)."""
+    found: dict = {}
+    for k in config["evaluation"]["num_speculative_tokens"]:
+        for concurrency in config["evaluation"]["concurrency"]:
+            methods = {"target_alone": per_set(layout.baseline_measurement, 0, concurrency)}
+            methods["drafter"] = per_set(layout.drafter_measurement(k), k, concurrency)
+            for method in config["evaluation"]["free_methods"]:
+                methods[method] = per_set(layout.free_method_measurement(method, k), k, concurrency)
+            found.setdefault(str(k), {})[str(concurrency)] = methods
+    return found
+
+
+def parity(layout: Layout, target: Path, layers: list[int], rows: int) -> dict:
+    """Stored states against Hugging Face's fp32 forward of the same checkpoint on the GPU.
+
+    vLLM serves in bf16, so a stored state differs from the fp32 forward by bf16 kernel
+    rounding; the floor is Hugging Face's own bf16 forward against its fp32 one on the same
+    tokens. Per layer: the median token error (relative L2) of the stored states, of the
+    floor, and of the nearest wrong candidate (the layer before or after, or the post-norm
+    state for the last layer). A correct layer sits near its floor; a wrong one far above."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    models = {
+        dtype: AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device).eval()
+        for dtype in (torch.float32, torch.bfloat16)
+    }
+    last = models[torch.float32].config.num_hidden_layers - 1
+
+    def states(dtype, token_ids: list[int]) -> list[torch.Tensor]:
+        captured = []
+        model = models[dtype]
+        hook = model.model.layers[-1].register_forward_hook(
+            lambda _m, _i, out: captured.append(out[0] if isinstance(out, tuple) else out)
+        )
+        with torch.no_grad():
+            out = model(torch.tensor([token_ids], device=device), output_hidden_states=True)
+        hook.remove()
+        return [s[0].float() for s in out.hidden_states] + [captured[0][0].float()]
+
+    def errors(got, want):
+        return (got - want).norm(dim=-1) / want.norm(dim=-1)
+
+    per_layer: dict[int, dict[str, list]] = {layer: {"stored": [], "floor": [], "wrong": []} for layer in layers}
+    files = sorted(layout.hidden_states.rglob("hs_*.safetensors"))[:rows]
+    for path in files:
+        stored = load_file(path)
+        token_ids = stored["token_ids"].tolist()
+        exact, rounded = states(torch.float32, token_ids), states(torch.bfloat16, token_ids)
+        for index, layer in enumerate(layers):
+            want = exact[-1] if layer == last else exact[layer + 1]
+            got = stored["hidden_states"][:, index, :].float().to(device)
+            floor_state = rounded[-1] if layer == last else rounded[layer + 1]
+            wrongs = [exact[layer], exact[-2]] if layer == last else [exact[layer], exact[layer + 2]]
+            per_layer[layer]["stored"].append(errors(got, want))
+            per_layer[layer]["floor"].append(errors(floor_state, want))
+            per_layer[layer]["wrong"].append(torch.stack([errors(got, w) for w in wrongs]).min(dim=0).values)
+    result = {"rows": len(files), "tokens": sum(len(load_file(p)["token_ids"]) for p in files), "layers": {}}
+    for layer, found in per_layer.items():
+        medians = {name: round(torch.cat(values).median().item(), 5) for name, values in found.items()}
+        medians["stored_max"] = round(torch.cat(found["stored"]).max().item(), 5)
+        medians["holds"] = medians["stored"] <= 2 * medians["floor"] + 0.01 < medians["wrong"]
+        result["layers"][str(layer)] = medians
+    return result
+
+
+def separate_extraction_config(config: dict, work: Path) -> dict:
+    """A small run of the same target with a separate extraction: its rows prefilled anew."""
+    small = json.loads(json.dumps(config))
+    small["results_dir"] = str(work / "separate_extraction")
+    small["target"]["model"] = config["target"]["model"]
+    small["questions"] |= {"limit": 24, "heldout": 8}
+    small["generation"]["max_tokens"] = 128
+    small["hidden_states"] = {"capture": "separate"}
+    return small
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--draft-lengths", type=int, nargs="+", help="evaluate only these k (default: the config's)")
+    parser.add_argument("--parity-rows", type=int, default=8)
+    parser.add_argument("--work", type=Path, default=ROOT / "results/bench_real_model_gpu")
+    parser.add_argument("--config", type=Path, default=CONFIG)
+    parser.add_argument("--name", default="real_model_gpu", help="the results file's name")
+    args = parser.parse_args()
+    import torch
+
+    work = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    config = yaml.safe_load(args.config.read_text())
+    if args.draft_lengths:
+        config["evaluation"]["num_speculative_tokens"] = args.draft_lengths
+    layout = Layout(config["results_dir"])
+    wall = {"main": snakemake(config, "main", work)}
+    separate = separate_extraction_config(config, work)
+    separate_layout = Layout(separate["results_dir"])
+    wall["separate_extraction"] = snakemake(
+        separate, "separate_extraction", work, (str(separate_layout.training_view),)
+    )
+    layers, target = config["layers"], ROOT / config["target"]["model"]
+    questions = json.loads(layout.questions_summary.read_text())
+    seconds = job_seconds(layout)
+    metrics = TrainingMetrics.read(layout.drafter)
+    from datasets import load_from_disk
+
+    rows = load_from_disk(str(layout.dataset)).with_format(None)
+    answer_tokens = sum(sum(mask) for mask in rows["loss_mask"])
+    row_tokens = sum(rows["seq_len"])
+    generate_s = sum(s for name, s in seconds.items() if name.startswith("generate"))
+    train_s = seconds.get("train", 0.0)
+    result = {
+        "config": str(args.config.resolve().relative_to(ROOT)),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "vllm": str(vllm_build.installed_version()),
+        "torch": torch.__version__,
+        "wall_s_this_call": wall,
+        "questions": {k: questions.get(k) for k in ("rows_read", "questions", "train", "heldout", "too_long")},
+        "training_rows": len(rows),
+        "row_tokens": row_tokens,
+        "answer_tokens": answer_tokens,
+        "job_seconds": seconds,
+        "generation_answer_tokens_per_s": round(answer_tokens / generate_s, 1) if generate_s else None,
+        "training_tokens_per_s": round(row_tokens * config["training"]["epochs"] / train_s, 1) if train_s else None,
+        "validation": [{"epoch": e["epoch"], **e.get("val", {})} for e in metrics.epochs],
+        "published_epoch": metrics.published_epoch,
+        "greedy": evaluations(config, layout),
+        "recommendation": json.loads(layout.acceptance.read_text())["recommendation"],
+        "parity": {
+            "one_pass": parity(layout, target, layers, args.parity_rows),
+            "separate_extraction": parity(separate_layout, target, layers, args.parity_rows),
+        },
+    }
+    write_result(args.name, result)
+    # Beside the run too: on a borrowed machine the repository's new files may not outlive a call.
+    (work / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
