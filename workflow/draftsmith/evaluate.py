@@ -169,9 +169,9 @@ def histogram_between(before: dict[str, Any], after: dict[str, Any]) -> list[int
     verify steps, ``per_position[p]`` accepted more than ``p`` tokens."""
     drafts = after["drafts"] - before["drafts"]
     positions = max(len(before["per_position"]), len(after["per_position"]))
-    more_than = [after["per_position"].get(p, 0) - before["per_position"].get(p, 0) for p in range(positions)]
     if not drafts:
         return []
+    more_than = [after["per_position"].get(p, 0) - before["per_position"].get(p, 0) for p in range(positions)]
     bounds = [drafts, *more_than, 0]
     return [bounds[j] - bounds[j + 1] for j in range(positions + 1)]
 
@@ -191,7 +191,8 @@ def measure(
     ``--speculative-config`` ``speculation``: a drafter, or a method that needs no training."""
     settings = stage.settings
     extra = []
-    per_request = vllm_build.has_per_request_spec_decode_metrics()
+    # The target alone has no acceptance to read: its phases go out whole on any vLLM.
+    per_request = speculation is None or vllm_build.has_per_request_spec_decode_metrics()
     if speculation is not None:
         extra = ["--speculative-config", json.dumps(speculation)]
         if per_request:

@@ -5,8 +5,8 @@ vLLM 0.26.0 is the newest CUDA build for torch 2.11 (0.27 to 0.32 need torch 2.1
 CUDA path supports 0.26.0 to 0.32.0. What differs in that range, and how draftsmith adapts:
 
 - ``--per-request-spec-decode-metrics`` (each response's acceptance histogram) first came in
-  0.29: without it the evaluation reads the server's ``/metrics`` counters around each phase
-  (``evaluate``), so acceptance is measured per phase instead of per request;
+  0.29: without it the evaluation reads the server's ``/metrics`` counters around each
+  category of a phase (``evaluate``), so acceptance is measured per category, not per request;
 - the ``dflash2`` drafter format is not in 0.26: a config that trains one is refused;
 - the hidden-state connector's internals differ on the CPU build only (CUDA uses vLLM's own
   connector code through ``hidden_states_connector``'s parent class).
