@@ -48,7 +48,11 @@ collect() {
     cp results/bench_real_model_gpu/real_model_gpu.json "$OUT/" 2>/dev/null || true
     # Failed jobs' own logs, so a failure on the machine can be read here.
     grep -l -i -E "Traceback|Error" results/smollm2-gpu/logs/*.log results/smollm2-gpu/logs/*/*.log 2>/dev/null |
-        head -3 | while read -r log; do cp "$log" "$OUT/failed_$(basename "$(dirname "$log")")_$(basename "$log")"; done
+        head -2 | while read -r log; do cp "$log" "$OUT/failed_$(basename "$(dirname "$log")")_$(basename "$log")"; done
+    # What the run has measured so far, in one small file (a call returns at most 8): a session
+    # that runs out of device time before the bench ends still brings these back.
+    tar -czf "$OUT/partial.tgz" --ignore-failed-read -C results/smollm2-gpu questions/summary.json \
+        benchmarks eval drafter/training_metrics.json logs 2>/dev/null || true
     return 0
 }
 
