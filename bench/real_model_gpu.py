@@ -28,6 +28,7 @@ import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
@@ -43,7 +44,7 @@ from draftsmith.records import TrainingMetrics  # noqa: E402
 CONFIG = ROOT / "config/smollm2-sharegpt-gpu.yaml"
 
 
-def snakemake(config: dict, name: str, work: Path, targets: tuple[str, ...] = ()) -> float:
+def snakemake(config: dict, name: str, work: Path, targets: tuple[str, ...] = (), *options: str) -> float:
     """One resumable Snakemake run of ``config``; its output goes to ``work/<name>.log``."""
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -51,8 +52,8 @@ def snakemake(config: dict, name: str, work: Path, targets: tuple[str, ...] = ()
     with (work / f"{name}.log").open("a") as log:
         done = subprocess.run(
             # Targets first: --configfile takes every argument after it.
-            [sys.executable, "-m", "snakemake", *targets, "--cores", "all", "--resources", f"gpu={config['gpu_slot']}"]
-            + ["--configfile", str(path)],
+            [sys.executable, "-m", "snakemake", *targets, *options, "--cores", "all"]
+            + ["--resources", f"gpu={config['gpu_slot']}", "--configfile", str(path)],
             cwd=ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -168,12 +169,18 @@ def main() -> None:
     if args.draft_lengths:
         config["evaluation"]["num_speculative_tokens"] = args.draft_lengths
     layout = Layout(config["results_dir"])
-    wall = {"main": snakemake(config, "main", work)}
     separate = separate_extraction_config(config, work)
     separate_layout = Layout(separate["results_dir"])
-    wall["separate_extraction"] = snakemake(
-        separate, "separate_extraction", work, (str(separate_layout.training_view),)
-    )
+    # The target both runs serve, built once; then the small run goes beside the main one (its
+    # own results_dir and Snakemake lock): one GPU holds both runs' servers of a 135M model
+    # (each takes the config's --gpu-memory-utilization), and it costs the session no time.
+    wall = {"target": snakemake(config, "main", work, (config["target"]["model"],))}
+    with ThreadPoolExecutor(1) as beside:
+        small = beside.submit(
+            snakemake, separate, "separate_extraction", work, (str(separate_layout.training_view),), "--nolock"
+        )
+        wall["main"] = snakemake(config, "main", work)
+        wall["separate_extraction"] = small.result()
     layers, target = config["layers"], ROOT / config["target"]["model"]
     questions = json.loads(layout.questions_summary.read_text())
     seconds = job_seconds(layout)

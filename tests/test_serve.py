@@ -25,9 +25,18 @@ def finished_run(tmp_path, target_config: dict) -> Layout:
     results = Layout(tmp_path / "results")
     results.run_config.parent.mkdir(parents=True)
     results.run_config.write_text(json.dumps(config))
-    drafter = {"model": str(tmp_path / "drafter"), "method": "eagle3", "num_speculative_tokens": 3}
+    drafter = {"model": str(published_drafter(tmp_path)), "method": "eagle3", "num_speculative_tokens": 3}
     results.speculative_config.write_text(json.dumps(drafter))
     return results
+
+
+def published_drafter(tmp_path):
+    """What serve checks of a drafter before it starts vLLM: its config and weights."""
+    drafter = tmp_path / "drafter"
+    drafter.mkdir(exist_ok=True)
+    (drafter / "config.json").write_text("{}")
+    (drafter / "model.safetensors").write_bytes(b"")
+    return drafter
 
 
 def test_an_mla_target_is_served_on_cpu_with_mla_disabled_through_the_module_entry_point(tmp_path):
@@ -60,12 +69,21 @@ def test_an_unfinished_run_is_named_with_the_fix(tmp_path):
         serve.main(["--results-dir", str(results.results)])
 
 
+def test_a_missing_drafter_is_named_with_the_fix_before_vllm_starts(tmp_path, monkeypatch):
+    """A forced training stopped half way removes the drafter the evaluation recommended."""
+    results = finished_run(tmp_path, TINY_MLA)
+    (tmp_path / "drafter" / "model.safetensors").unlink()
+    monkeypatch.setattr(serve.subprocess, "Popen", lambda *a, **k: pytest.fail("vLLM started"))
+    with pytest.raises(serve.ServeError, match=r"drafter .*drafter is missing or incomplete.*rerun the workflow"):
+        serve.main(["--results-dir", str(results.results)])
+
+
 def test_the_target_alone_is_served_when_it_measured_fastest_and_the_drafter_on_request(tmp_path):
     """A recommendation of no speculation (null) starts vLLM without a speculative config;
     --drafter serves the trained drafter at its best draft length from the evaluation."""
     results = finished_run(tmp_path, {"num_hidden_layers": 6, "hidden_size": 128, "vocab_size": 230})
     results.speculative_config.write_text("null\n")
-    drafter = {"model": str(tmp_path / "drafter"), "method": "eagle3", "num_speculative_tokens": 1}
+    drafter = {"model": str(published_drafter(tmp_path)), "method": "eagle3", "num_speculative_tokens": 1}
     rows = [{"temperature": t, "concurrency": 8, "drafter_speculative_config": drafter} for t in (0.7, 0.0)]
     results.acceptance.parent.mkdir(parents=True)
     results.acceptance.write_text(json.dumps({"concurrency": 8, "recommendation": rows}))

@@ -76,7 +76,20 @@ def speculative_config(
         return None
     if num_speculative_tokens is not None:
         config["num_speculative_tokens"] = num_speculative_tokens
+    if "model" in config:
+        check_drafter(Path(config["model"]))
     return config
+
+
+def check_drafter(drafter: Path) -> None:
+    """Before vLLM loads anything: a drafter removed since the evaluation (a forced training
+    stopped half way, a deleted folder) would fail there only after the target loaded, with
+    an error about a repository id."""
+    if not (drafter / "config.json").is_file() or not any(drafter.glob("*.safetensors")):
+        raise ServeError(
+            f"the drafter {drafter} is missing or incomplete (a stopped training removes it): "
+            "rerun the workflow (snakemake --cores all --resources gpu=8) to rebuild it"
+        )
 
 
 def server_command(

@@ -128,8 +128,16 @@ def untrained_measurement_input():
 
 
 def final_outputs():
+    """Every published artifact, so a rerun rebuilds whichever is missing (a forced training
+    stopped half way leaves no drafter, and the evaluation alone would not ask for it)."""
     return [
+        path(LAYOUT.drafter),
+        *[path(LAYOUT.kind_drafter(kind)) for kind in RUN.training.other_kinds],
+        path(LAYOUT.speculative_config),
         path(LAYOUT.acceptance),
+        path(LAYOUT.acceptance_plot),
+        path(LAYOUT.speedup_plot),
+        path(LAYOUT.evaluation_tables),
         path(LAYOUT.plan_json),
         path(LAYOUT.completion_lengths_plot),
         path(LAYOUT.training_curves_plot),
