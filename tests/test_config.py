@@ -197,3 +197,13 @@ def test_the_dry_run_refuses_a_kind_the_device_cannot_serve_and_plans_it_on_cuda
     planned = subprocess.run([sys.executable, "-m", "snakemake", "-n"], cwd=workdir, capture_output=True, text=True)
     assert planned.returncode == 0, planned.stderr[-2000:]
     assert "train_kind" in planned.stdout and "evaluate_kind" in planned.stdout
+
+
+def test_the_schema_offers_exactly_the_drafter_kinds_and_free_methods_the_code_knows():
+    """drafter_kinds.py owns both lists: a name only in the schema would validate, then fail
+    deep in a job with a KeyError; one only in the code could never be configured."""
+    from draftsmith.drafter_kinds import FREE_METHODS, KINDS
+
+    schema = yaml.safe_load(Path(SCHEMA).read_text())["properties"]
+    assert schema["training"]["properties"]["kinds"]["items"]["enum"] == list(KINDS)
+    assert schema["evaluation"]["properties"]["free_methods"]["items"]["enum"] == list(FREE_METHODS)

@@ -361,10 +361,15 @@ def test_the_flags_the_stages_pass_are_the_declared_ones(tmp_path):
     settings = demo_settings(tmp_path)
     paths = layout.TrainPaths(tmp_path / "d", tmp_path / "h", tmp_path / "s", tmp_path / "o")
     layers = resolve_layers(settings["layers"], 6)
-    argv = train.speculators_args(RunConfig.from_dict(settings), layers, paths) + train.CPU_TRAINER_FLAGS
-    argv += train.speculators_args(RunConfig.from_dict(settings), layers, paths, captures=True)  # past a disk budget
-    assert {a for a in argv if a.startswith("--")} <= set(preflight.TRAIN_FLAGS)
     trusted = settings | {"target": settings["target"] | {"trust_remote_code": True}}
+    # Every branch: CPU flags, rows captured past a disk budget, fp8 rows, a remote-code
+    # target, another kind of drafter.
+    every_branch = trusted | {"hidden_states": settings["hidden_states"] | {"stored_dtype": "fp8"}}
+    argv = train.speculators_args(RunConfig.from_dict(settings), layers, paths) + train.CPU_TRAINER_FLAGS
+    argv += train.speculators_args(RunConfig.from_dict(every_branch), layers, paths, captures=True, kind="dflash2")
+    for flag in ("--vllm-endpoint", "--hidden-states-backend", "--trust-remote-code", "--speculator-type"):
+        assert flag in argv
+    assert {a for a in argv if a.startswith("--")} <= set(preflight.TRAIN_FLAGS)
     command = dataset.prepare_data_command(RunConfig.from_dict(trusted), tmp_path, tmp_path)
     options = {a.removeprefix("--").removeprefix("no-").replace("-", "_") for a in command if a.startswith("--")}
     assert options <= set(preflight.PREPARE_DATA_PARAMETERS)

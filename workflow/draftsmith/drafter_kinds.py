@@ -1,5 +1,7 @@
 """The kinds of drafter speculators trains (``speculators train --speculator-type``), and
-what the installed vLLM does with each: how it is served, and on which device.
+what the installed vLLM does with each: how it is served, and on which device; and the
+speculative methods vLLM serves with no drafter (``evaluation.free_methods``). The config
+schema's lists of both are checked against these (tests/test_config.py).
 
 What is true here was measured on this release pair (speculators 0.9, vLLM 0.32): each kind
 trained for one epoch on the demo's data on a CPU, then a vLLM CPU server was started with
@@ -65,6 +67,30 @@ KINDS: dict[str, DrafterKind] = {
             unserved_because="speculators trains it only for targets with their own MTP head (Qwen3 "
             "families), and vLLM serves MTP as part of the target, not as a speculators drafter",
         ),
+    )
+}
+
+
+@dataclass(frozen=True)
+class FreeMethod:
+    """A speculative method vLLM serves without a trained drafter."""
+
+    name: str
+    # vLLM's --speculative-config fields besides method and num_speculative_tokens: what we
+    # measure it at.
+    options: dict[str, Any] = field(default_factory=dict)
+    # (module, distribution) of a package it needs beside vLLM, which vLLM imports only once
+    # the server is up: checked by the preflight, before any model loads.
+    package: tuple[str, str] | None = None
+
+
+FREE_METHODS: dict[str, FreeMethod] = {
+    method.name: method
+    for method in (
+        # n-gram looks up the last 2 to 4 tokens in the prompt and the answer so far (the lookup
+        # window we compared it at when it beat a drafter on a real model).
+        FreeMethod("ngram", options={"prompt_lookup_min": 2, "prompt_lookup_max": 4}),
+        FreeMethod("suffix", package=("arctic_inference", "arctic-inference")),
     )
 }
 

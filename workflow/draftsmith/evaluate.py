@@ -43,7 +43,7 @@ from draftsmith import vllm_build
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.client import SPECULATORS_CLIENT, chat_poster, open_session
-from draftsmith.drafter_kinds import DEFAULT_KIND, KINDS
+from draftsmith.drafter_kinds import DEFAULT_KIND, FREE_METHODS, KINDS
 from draftsmith.drafter_kinds import speculative_config as kind_speculative_config
 from draftsmith.evaluation_sets import read_prompts
 from draftsmith.progress import Progress, log
@@ -57,14 +57,6 @@ from draftsmith.target import read_target_shape
 SPEC_METRIC_PREFIX = "vllm:spec_decode_num_"
 # The speculative method of the evaluation servers (vLLM's SpeculativeMethod).
 SPECULATIVE_METHODS = ["eagle3"]
-# Methods vLLM serves without a trained drafter, with the options they are measured at.
-# n-gram looks up the last 2 to 4 tokens in the prompt and the answer so far (the lookup
-# window we compared it at when it beat a drafter on a real model); suffix decoding needs
-# the arctic-inference package (the preflight checks it).
-FREE_METHODS: dict[str, dict[str, Any]] = {
-    "ngram": {"prompt_lookup_min": 2, "prompt_lookup_max": 4},
-    "suffix": {},
-}
 # Steps that accepted more than p draft tokens, by position p (vLLM's per-position counter).
 PER_POSITION_COUNTER = f"{SPEC_METRIC_PREFIX}accepted_tokens_per_pos_total"
 
@@ -328,7 +320,7 @@ def speculative_config(drafter: Path, num_speculative_tokens: int, kind: str = D
 
 def free_method_config(method: str, num_speculative_tokens: int) -> dict[str, Any]:
     """The value of vLLM's ``--speculative-config`` for a method that needs no drafter."""
-    return {"method": method, "num_speculative_tokens": num_speculative_tokens, **FREE_METHODS[method]}
+    return {"method": method, "num_speculative_tokens": num_speculative_tokens, **FREE_METHODS[method].options}
 
 
 def run(

@@ -13,6 +13,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, on machines without a display
 import matplotlib.pyplot as plt  # noqa: E402
 
+from draftsmith.drafter_kinds import FREE_METHODS  # noqa: E402
 from draftsmith.evaluation_sets import WHOLE_SET  # noqa: E402
 from draftsmith.report import save_figure  # noqa: E402
 
@@ -33,7 +34,7 @@ def serve_text(row: dict[str, Any]) -> str:
 
 
 def is_drafter_row(row: dict[str, Any]) -> bool:
-    return row["method"] not in ("ngram", "suffix")
+    return row["method"] not in FREE_METHODS
 
 
 def sampling_name(value: float) -> str:

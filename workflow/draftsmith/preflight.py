@@ -38,6 +38,7 @@ from typing import Any
 from draftsmith import vllm_build, vllm_cpu_amx, vllm_cpu_idle, vllm_cpu_rope, vllm_cpu_sampling, vllm_cpu_seeded
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_config
+from draftsmith.drafter_kinds import FREE_METHODS
 from draftsmith.errors import DraftsmithError
 from draftsmith.gpu_memory import checkpoint_bytes, split_problems
 from draftsmith.layers import LayerConfigError, resolve_layers
@@ -349,15 +350,10 @@ def check_serving(target: TargetShape, settings: RunConfig) -> list[str]:
     return [problem] if problem else []
 
 
-# Packages a free method (evaluation.free_methods) needs beside vLLM: vLLM imports them only
-# once the server is up, and fails every evaluation job of that method after a model load.
-FREE_METHOD_PACKAGES = {"suffix": ("arctic_inference", "arctic-inference")}
-
-
 def check_free_methods(settings: RunConfig) -> list[str]:
     problems = []
     for method in settings.evaluation.free_methods:
-        module, distribution = FREE_METHOD_PACKAGES.get(method, (None, None))
+        module, distribution = FREE_METHODS[method].package or (None, None)
         if module and importlib.util.find_spec(module) is None:
             problems.append(
                 f"evaluation.free_methods has {method}, which needs the {distribution} package; "

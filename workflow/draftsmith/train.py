@@ -58,7 +58,8 @@ from draftsmith.target import TargetShape, draft_vocab_problem, read_target_shap
 from draftsmith.trainer_process import run_trainer
 from draftsmith.training_checkpoints import chosen_epoch, drop_unfinished_epoch, reset_if_changed
 
-# `speculators train` flags this stage passes (speculators_args, CPU_TRAINER_FLAGS).
+# `speculators train` flags this stage passes (speculators_args, CPU_TRAINER_FLAGS, kind_args),
+# on every branch: tests/test_preflight.py builds each and checks it against this list.
 TRAIN_FLAGS = [
     "--verifier-name-or-path",
     "--target-layer-ids",
@@ -78,6 +79,9 @@ TRAIN_FLAGS = [
     "--num-layers",
     "--hidden-states-dtype",
     "--vllm-endpoint",
+    "--hidden-states-backend",
+    "--trust-remote-code",
+    "--speculator-type",
 ]
 # On a CPU only: no dataloader workers, attention without flex-attention's compiler, and
 # fp32 compute. speculators autocasts to bf16 by default, and on a CPU without AVX512-BF16
