@@ -26,10 +26,11 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
-from draftsmith import extract, layout, train
+from draftsmith import capture_server, extract, layout, train
+from draftsmith.capture_server import serving_dtype
 from draftsmith.demo_model import deepseek_config
 from draftsmith.disk_budget import RowSplit
-from draftsmith.extract import ExtractionError, check_settings, serving_dtype, shard_range
+from draftsmith.extract import ExtractionError, check_settings, shard_range
 from draftsmith.layers import resolve_layers
 from draftsmith.layout import hidden_state_file
 from draftsmith.records import ShardManifest
@@ -358,12 +359,12 @@ def test_failed_rows_exit_nonzero_and_nothing_is_published(tiny_model: Path, tmp
 def test_the_connector_named_to_vllm_is_ours() -> None:
     from draftsmith import hidden_states_connector
 
-    assert extract.CONNECTOR_MODULE == hidden_states_connector.__name__
-    assert extract.CONNECTOR_NAME == hidden_states_connector.CONNECTOR_NAME
-    assert extract.FP8_CONNECTOR_NAME == hidden_states_connector.FP8_CONNECTOR_NAME
-    for fp8, name in ((False, extract.CONNECTOR_NAME), (True, extract.FP8_CONNECTOR_NAME)):
-        shape = extract.SampleShape(3, 64, torch.bfloat16, fp8)
-        args = extract.extraction_server_args(resolve_layers([0, 2, 5], 6), Path("/s"), shape)
+    assert capture_server.CONNECTOR_MODULE == hidden_states_connector.__name__
+    assert capture_server.CONNECTOR_NAME == hidden_states_connector.CONNECTOR_NAME
+    assert capture_server.FP8_CONNECTOR_NAME == hidden_states_connector.FP8_CONNECTOR_NAME
+    for fp8, name in ((False, capture_server.CONNECTOR_NAME), (True, capture_server.FP8_CONNECTOR_NAME)):
+        shape = capture_server.SampleShape(3, 64, torch.bfloat16, fp8)
+        args = capture_server.extraction_server_args(resolve_layers([0, 2, 5], 6), Path("/s"), shape)
         transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
         assert transfer["kv_connector"] == name and getattr(hidden_states_connector, name)
         assert args[args.index("--dtype") + 1] == "bfloat16"  # the target runs as served either way

@@ -72,7 +72,7 @@ def parse_budget(value: int | str) -> int | None:
 def served_value_bytes(settings: RunConfig) -> int:
     """Bytes of one stored value: vLLM writes the hidden states in the dtype it serves, which
     is fp32 only where ``server.extra_args`` asks for it (it serves an fp32 checkpoint in
-    bf16 otherwise: extract.serving_dtype)."""
+    bf16 otherwise: capture_server.serving_dtype)."""
     return FP32_BYTES_PER_VALUE if settings.server.requested_dtype in FP32_NAMES else BYTES_PER_VALUE
 
 

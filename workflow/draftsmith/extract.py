@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -39,41 +38,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
-import torch
 from datasets import Dataset, load_from_disk
 
 from draftsmith.atomic import publish_directory
+from draftsmith.capture_server import VLLM_STORAGE_DIR, SampleShape, extraction_server_args, target_shape
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.client import SPECULATORS_CLIENT
 from draftsmith.disk_budget import row_split
-from draftsmith.layers import LayerPlan, resolve_layers
+from draftsmith.layers import LayerPlan
 from draftsmith.layout import HIDDEN_STATE_GLOB, ROW_IDS, hidden_state_file, hidden_state_row
 from draftsmith.one_pass import CaptureOutcomes, adopt_captures
 from draftsmith.progress import Progress, log
 from draftsmith.records import RowIds, ShardManifest
-from draftsmith.run_config import RunConfig, flag_value
+from draftsmith.run_config import RunConfig
 from draftsmith.server import Endpoint, ServerSpec
 from draftsmith.server_stage import RequestPolicy, ServerStage, StageError, first_errors
-from draftsmith.shard_gate import BadSample, check_sample, check_shard
+from draftsmith.shard_gate import BadSample, check_shard
 from draftsmith.staging import fingerprint_of, matching_siblings
-from draftsmith.target import TargetShape, read_target_shape
 
 # Third-party names this module uses; the preflight checks each exists (preflight.declared).
 THIRD_PARTY = [
     ("speculators.data_generation.vllm_client", "generate_hidden_states_async"),
     ("speculators.data_generation.vllm_client", "wait_for_lock_async"),
 ]
-# The speculative method of the extraction server (vLLM's SpeculativeMethod).
-SPECULATIVE_METHODS = ["extract_hidden_states"]
 
-VLLM_STORAGE_DIR = "vllm"  # inside staging: same filesystem, so moves are atomic renames
 # How often a finished row's file lock is tried (speculators' default: 0.1 s).
 LOCK_POLL_S = 0.01
-# The connector vLLM loads by name (draftsmith/hidden_states_connector.py); named here so
-# that this module does not import vLLM.
-CONNECTOR_MODULE = "draftsmith.hidden_states_connector"
-CONNECTOR_NAME = "CpuSafeHiddenStatesConnector"
-FP8_CONNECTOR_NAME = "CpuSafeFP8HiddenStatesConnector"  # hidden_states.stored_dtype: fp8
 
 
 class ExtractionError(StageError):
@@ -88,23 +78,6 @@ def extraction_stage(settings: RunConfig) -> ServerStage[int]:
 
 def row_name(row: int) -> str:
     return f"row {row}"
-
-
-@dataclass(frozen=True)
-class SampleShape:
-    """What every file of this target must look like (see ``shard_gate.check_sample``)."""
-
-    num_layers_stored: int
-    hidden_size: int
-    dtype: torch.dtype  # the dtype the target is served in
-    fp8: bool = False  # files hold fp8 states with per-token scales (hidden_states.stored_dtype)
-
-    @property
-    def stored_dtype(self) -> torch.dtype:
-        return torch.float8_e4m3fn if self.fp8 else self.dtype
-
-    def check(self, path: Path, token_ids: Sequence[int]) -> None:
-        check_sample(path, token_ids, self.num_layers_stored, self.hidden_size, self.stored_dtype)
 
 
 @dataclass
@@ -156,57 +129,6 @@ def load_shard(dataset_dir: Path, shard: int, num_shards: int, stored: int | Non
     # prepare-data saves torch format; plain lists compare directly with file token ids.
     rows = len(dataset) if stored is None else stored
     return ShardRows(dataset.with_format(None), shard_range(rows, shard, num_shards))
-
-
-def serving_dtype(config_dtype: torch.dtype | None, extra_args: Sequence[str]) -> torch.dtype:
-    """The dtype vLLM will run (and store hidden states) in; it is passed as ``--dtype``.
-
-    A ``--dtype`` in ``server.extra_args`` wins; otherwise the checkpoint's dtype,
-    with float32 served as bfloat16 like vLLM's own ``auto`` does.
-    """
-    requested = flag_value(extra_args, "--dtype")
-    if requested and requested != "auto":
-        return getattr(torch, {"half": "float16", "float": "float32"}.get(requested, requested))
-    if config_dtype in (None, torch.float32):
-        return torch.bfloat16
-    return config_dtype
-
-
-def target_shape(settings: RunConfig) -> tuple[LayerPlan, SampleShape]:
-    """Layer count, width and dtype from the target's config.json; layers resolved once."""
-    target = read_target_shape(settings.target.model)
-    plan = resolve_layers(list(settings.layers), target.num_hidden_layers)
-    return plan, sample_shape(settings, target, plan)
-
-
-def sample_shape(settings: RunConfig, target: TargetShape, plan: LayerPlan) -> SampleShape:
-    """What each stored or captured file holds, for a target and layers already read."""
-    checkpoint_dtype = getattr(torch, target.dtype) if target.dtype else None
-    dtype = serving_dtype(checkpoint_dtype, settings.server.extra_args)
-    return SampleShape(len(plan.vllm_ids), target.hidden_size, dtype, settings.hidden_states.fp8)
-
-
-def extraction_server_args(plan: LayerPlan, storage_dir: Path, shape: SampleShape) -> list[str]:
-    """vLLM flags for extraction mode; ids are all stored layers, in vLLM's numbering."""
-    speculative = {
-        "method": "extract_hidden_states",
-        "num_speculative_tokens": 1,
-        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": plan.vllm_ids}},
-    }
-    kv_transfer = {
-        "kv_connector": FP8_CONNECTOR_NAME if shape.fp8 else CONNECTOR_NAME,
-        "kv_connector_module_path": CONNECTOR_MODULE,
-        "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)},
-    }
-    return [
-        "--speculative-config",
-        json.dumps(speculative),
-        "--kv-transfer-config",
-        json.dumps(kv_transfer),
-        "--dtype",
-        str(shape.dtype).removeprefix("torch."),
-    ]
 
 
 def check_settings(settings: RunConfig, rows: ShardRows) -> None:

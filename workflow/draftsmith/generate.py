@@ -38,9 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.atomic import atomic_write_text
+from draftsmith.capture_server import VLLM_STORAGE_DIR, extraction_server_args, target_shape
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.client import SPECULATORS_CLIENT, Poster, chat_poster, open_session
-from draftsmith.extract import VLLM_STORAGE_DIR, extraction_server_args, target_shape
 from draftsmith.layout import GENERATION_RECORDS, SUMMARY
 from draftsmith.one_pass import CaptureSpool, captured_state_file, discard_states
 from draftsmith.progress import Progress, log

@@ -289,7 +289,7 @@ def capture_server(settings: RunConfig, paths: TrainPaths, inputs: TrainingInput
     if split.captured == 0:
         yield None
         return
-    from draftsmith.extract import extraction_server_args, sample_shape  # torch: only when capturing
+    from draftsmith.capture_server import extraction_server_args, sample_shape  # torch: only when capturing
 
     shape = sample_shape(settings, inputs.target, plan)
     shutil.rmtree(paths.capture, ignore_errors=True)
