@@ -193,7 +193,7 @@ def main() -> None:
     generate_s = sum(s for name, s in seconds.items() if name.startswith("generate"))
     train_s = seconds.get("train", 0.0)
     result = {
-        "config": str(args.config.resolve().relative_to(ROOT)),
+        "config": str(args.config),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "vllm": str(vllm_build.installed_version()),
         "torch": torch.__version__,
