@@ -28,7 +28,6 @@ import json
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
@@ -74,16 +73,37 @@ def job_seconds(layout: Layout) -> dict[str, float]:
 
 
 def evaluations(config: dict, layout: Layout) -> dict:
-    """k -> concurrency -> method -> set -> acceptance, tokens per step and tokens/s (greedy)."""
+    """k -> concurrency -> method -> set -> acceptance, tokens per step and tokens/s (greedy);
+    a method the run has not measured yet is None."""
+
+    def measured(path: Path, k: int, concurrency: int) -> dict | None:
+        return per_set(path, k, concurrency) if path.is_file() else None
+
     found: dict = {}
     for k in config["evaluation"]["num_speculative_tokens"]:
         for concurrency in config["evaluation"]["concurrency"]:
-            methods = {"target_alone": per_set(layout.baseline_measurement, 0, concurrency)}
-            methods["drafter"] = per_set(layout.drafter_measurement(k), k, concurrency)
+            methods = {"target_alone": measured(layout.baseline_measurement, 0, concurrency)}
+            methods["drafter"] = measured(layout.drafter_measurement(k), k, concurrency)
             for method in config["evaluation"]["free_methods"]:
-                methods[method] = per_set(layout.free_method_measurement(method, k), k, concurrency)
+                methods[method] = measured(layout.free_method_measurement(method, k), k, concurrency)
             found.setdefault(str(k), {})[str(concurrency)] = methods
     return found
+
+
+def partial_result(config: dict, layout: Layout, draft_lengths: list[int] | None) -> dict:
+    """What a run that did not end measured (the GPU machine's session ran out): from the files
+    `tools/gpu/session.sh` brings back in partial.tgz, unpacked as ``layout.results``."""
+    if draft_lengths:
+        config["evaluation"]["num_speculative_tokens"] = draft_lengths
+    metrics = TrainingMetrics.read(layout.drafter) if layout.training_metrics.is_file() else None
+    return {
+        "complete": False,
+        "questions": json.loads(layout.questions_summary.read_text()),
+        "job_seconds": job_seconds(layout),
+        "validation": [{"epoch": e["epoch"], **e.get("val", {})} for e in metrics.epochs] if metrics else None,
+        "published_epoch": metrics.published_epoch if metrics else None,
+        "greedy": evaluations(config, layout),
+    }
 
 
 def parity(layout: Layout, target: Path, layers: list[int], rows: int) -> dict:
@@ -160,27 +180,31 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=ROOT / "results/bench_real_model_gpu")
     parser.add_argument("--config", type=Path, default=CONFIG)
     parser.add_argument("--name", default="real_model_gpu", help="the results file's name")
+    parser.add_argument(
+        "--partial", type=Path, help="only summarize an unfinished run's results_dir (unpacked partial.tgz)"
+    )
     args = parser.parse_args()
+    config = yaml.safe_load(args.config.read_text())
+    if args.partial:
+        write_result(
+            args.name, {"config": str(args.config), **partial_result(config, Layout(args.partial), args.draft_lengths)}
+        )
+        return
     import torch
 
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    config = yaml.safe_load(args.config.read_text())
     if args.draft_lengths:
         config["evaluation"]["num_speculative_tokens"] = args.draft_lengths
     layout = Layout(config["results_dir"])
     separate = separate_extraction_config(config, work)
     separate_layout = Layout(separate["results_dir"])
-    # The target both runs serve, built once; then the small run goes beside the main one (its
-    # own results_dir and Snakemake lock): one GPU holds both runs' servers of a 135M model
-    # (each takes the config's --gpu-memory-utilization), and it costs the session no time.
-    wall = {"target": snakemake(config, "main", work, (config["target"]["model"],))}
-    with ThreadPoolExecutor(1) as beside:
-        small = beside.submit(
-            snakemake, separate, "separate_extraction", work, (str(separate_layout.training_view),), "--nolock"
-        )
-        wall["main"] = snakemake(config, "main", work)
-        wall["separate_extraction"] = small.result()
+    # One run after the other: vLLM's memory profiling fails a server whose start overlaps
+    # another server's exit on the same GPU ("Error in memory profiling").
+    wall = {"main": snakemake(config, "main", work)}
+    wall["separate_extraction"] = snakemake(
+        separate, "separate_extraction", work, (str(separate_layout.training_view),)
+    )
     layers, target = config["layers"], ROOT / config["target"]["model"]
     questions = json.loads(layout.questions_summary.read_text())
     seconds = job_seconds(layout)

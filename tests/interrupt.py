@@ -32,10 +32,13 @@ def log_says(workdir: Path, name: str, text: str = "") -> bool:
     return log.exists() and text in log.read_text(errors="replace")
 
 
-def run_until(workdir: Path, condition, timeout: float = 1800, stop: int = signal.SIGKILL) -> None:
-    """Start the workflow and send `stop` to its whole process group once `condition()` holds."""
+def run_until(
+    workdir: Path, condition, timeout: float = 1800, stop: int = signal.SIGKILL, options: tuple[str, ...] = ()
+) -> None:
+    """Start the workflow (with ``options``) and send `stop` to its whole process group once
+    `condition()` holds."""
     process = subprocess.Popen(
-        RUN,
+        [*RUN, *options],
         cwd=workdir,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -16,9 +16,11 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import heavy_processes
-from demo_run import demo_config, snakemake
-from interrupt import count, uninterrupted_question_ids
+from demo_run import demo_config, planned_jobs, snakemake
+from interrupt import count, run_until, uninterrupted_question_ids, unlock
 
+from draftsmith import serve
+from draftsmith.layout import Layout
 from draftsmith.one_pass import ADOPTED
 from draftsmith.records import RowIds, ShardManifest
 
@@ -224,7 +226,7 @@ def test_every_heavy_job_leaves_a_benchmark_record(demo_run):
 
 
 def test_forced_reruns_reuse_finished_work(demo_run):
-    """Last (it leaves the evaluation outdated): a forced extraction requests no row again,
+    """Next to last (it leaves the evaluation outdated): a forced extraction requests no row again,
     since the published files are links to the staged ones, and training, fed the same
     data republished, resumes from its checkpoints instead of starting over."""
     results = demo_run / "results"
@@ -243,3 +245,20 @@ def test_forced_reruns_reuse_finished_work(demo_run):
     assert "starting afresh" not in train_log and "Starting fresh training run" not in train_log
     assert "Resuming training on epoch" in train_log
     assert checkpoint.stat().st_mtime_ns == checkpoint_written
+
+
+def test_a_killed_forced_training_leaves_a_plan_that_rebuilds_the_drafter(demo_run):
+    """Last. Snakemake deletes a forced job's output when the job starts, so a forced training
+    killed half way leaves no drafter; a plain rerun must plan to rebuild it (it once said
+    "Nothing to be done", the evaluation being up to date) and serve must refuse at once."""
+    results = Layout(demo_run / "results")
+    run_until(demo_run, lambda: not results.drafter.exists(), options=("--forcerun", "train"))
+    unlock(demo_run)
+    with pytest.raises(serve.ServeError, match="missing or incomplete.*rerun the workflow"):
+        serve.speculative_config(results, None, drafter=True)
+    plan = snakemake(demo_run, "-n")
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    assert planned_jobs(plan.stdout).get("train") == 1, plan.stdout[-3000:]
+    rebuilt = snakemake(demo_run, "--until", "train", "--cores", "all", "--resources", "gpu=8")
+    assert rebuilt.returncode == 0, rebuilt.stderr[-5000:]
+    assert serve.speculative_config(results, None, drafter=True)["model"]
