@@ -225,7 +225,7 @@ def timed_modes(plan: dict[str, Any], settings: RunConfig, rates: Rates) -> list
         prefill = 0 if mode["one_pass"] else round(mode["rows_stored"] * per_row)
         recapture = round(mode["capture_passes"] * per_row)
         # Each kind of drafter reads every row each epoch. The rate is EAGLE-3's; on the CPU
-        # demo a P-EAGLE or DFlash step was slower (README, "Drafter kinds").
+        # demo a P-EAGLE or DFlash step was slower (docs/evaluation.md, drafter kinds).
         trainer = plan["training_tokens"] * epochs * len(plan["drafter_kinds"])
         loads = generation_loads + mode["model_loads"]
         seconds = {

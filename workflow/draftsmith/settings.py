@@ -613,7 +613,7 @@ def downstream(rules: Iterable[str]) -> set[str]:
     return found
 
 
-# Derived settings that exist only in one mode: the README names the rules reached only
+# Derived settings that exist only in one mode: config/README.md names the rules reached only
 # through them apart ("in one pass also ..."), so the column is right for the default mode.
 ONE_PASS_ONLY = ("hidden_states.capture_during_generation", "hidden_states.capture_budget")
 
@@ -679,7 +679,7 @@ def reruns_between(base: dict[str, Any], changed: dict[str, Any]) -> set[str]:
 
 
 def reruns_text(setting: str) -> str:
-    """The README's "re-runs" cell: the rules that track the setting, and what follows them
+    """config/README.md's "re-runs" cell: the rules that track the setting, and what follows them
     (``followers_text``)."""
     if setting in WHERE:
         return "everything, in the new directory (a built demo target stays at `target.model`)"
@@ -696,7 +696,7 @@ def reruns_text(setting: str) -> str:
 
 
 def followers_text(rule: str) -> str:
-    """What follows a rule: the README's table of what re-runs after each one."""
+    """What follows a rule: config/README.md's table of what re-runs after each one."""
     after = [other for other in RULE_ORDER if other in downstream([rule]) - {rule}]
     return ", ".join(f"`{other}`" for other in after) or "nothing"
 
