@@ -129,7 +129,8 @@ def untrained_measurement_input():
 
 def final_outputs():
     """Every published artifact, so a rerun rebuilds whichever is missing (a forced training
-    stopped half way leaves no drafter, and the evaluation alone would not ask for it)."""
+    stopped half way leaves no drafter, and the evaluation alone would not ask for it).
+    """
     return [
         path(LAYOUT.drafter),
         *[path(LAYOUT.kind_drafter(kind)) for kind in RUN.training.other_kinds],
