@@ -16,12 +16,11 @@ from draftsmith.atomic import atomic_write_text, publish_directory
 from draftsmith.disk_budget import RowSplit
 from draftsmith.errors import TrainError
 from draftsmith.layers import LayerPlan
-from draftsmith.layout import TrainPaths
+from draftsmith.layout import DRAFTER_CONFIG, DRAFTER_WEIGHTS, TrainPaths
 from draftsmith.progress import log
 from draftsmith.records import TrainingMetrics
 from draftsmith.server import Endpoint, counter_totals, read_metrics
 
-DRAFTER_CONFIG, DRAFTER_WEIGHTS = "config.json", "model.safetensors"  # what vLLM loads; no optimizer state
 # The drafter is published in the dtype speculators publishes; its checkpoints are fp32 so that
 # a resume is exact (speculators_cpu.lossless_checkpoints), and the dry run saves fp32 on a CPU.
 DRAFTER_DTYPE = torch.bfloat16

@@ -22,6 +22,7 @@ CAPTURED_ROWS = "captured_rows.json"  # one pass: how many leading dataset rows 
 CAPTURES = "captures"  # one pass: inside a generation shard's staging, the answers' states
 TOKEN_FREQUENCIES = "token_freq.pt"  # the dataset's token counts: the draft vocabulary
 TRAINING_METRICS = "training_metrics.json"  # published with the drafter
+DRAFTER_CONFIG, DRAFTER_WEIGHTS = "config.json", "model.safetensors"  # what vLLM loads; no optimizer state
 
 
 def shard_file(directory: Path | str, shard: int | str) -> Path:

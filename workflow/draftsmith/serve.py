@@ -30,7 +30,7 @@ from typing import Any
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.guard import guarded, stop_process_group, uncapped_environment
-from draftsmith.layout import Layout
+from draftsmith.layout import DRAFTER_CONFIG, DRAFTER_WEIGHTS, Layout
 from draftsmith.progress import log
 from draftsmith.run_config import RunConfig
 from draftsmith.server import Endpoint, ServerSpec, wait_until_healthy
@@ -85,7 +85,7 @@ def check_drafter(drafter: Path) -> None:
     """Before vLLM loads anything: a drafter removed since the evaluation (a forced training
     stopped half way, a deleted folder) would fail there only after the target loaded, with
     an error about a repository id."""
-    if not (drafter / "config.json").is_file() or not any(drafter.glob("*.safetensors")):
+    if not (drafter / DRAFTER_CONFIG).is_file() or not (drafter / DRAFTER_WEIGHTS).is_file():
         raise ServeError(
             f"the drafter {drafter} is missing or incomplete (a stopped training removes it): "
             "rerun the workflow (snakemake --cores all --resources gpu=8) to rebuild it"
