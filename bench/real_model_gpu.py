@@ -43,7 +43,7 @@ from draftsmith.records import TrainingMetrics  # noqa: E402
 CONFIG = ROOT / "config/smollm2-sharegpt-gpu.yaml"
 
 
-def snakemake(config: dict, name: str, work: Path, targets: tuple[str, ...] = (), *options: str) -> float:
+def snakemake(config: dict, name: str, work: Path, targets: tuple[str, ...] = ()) -> float:
     """One resumable Snakemake run of ``config``; its output goes to ``work/<name>.log``."""
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -51,8 +51,8 @@ def snakemake(config: dict, name: str, work: Path, targets: tuple[str, ...] = ()
     with (work / f"{name}.log").open("a") as log:
         done = subprocess.run(
             # Targets first: --configfile takes every argument after it.
-            [sys.executable, "-m", "snakemake", *targets, *options, "--cores", "all"]
-            + ["--resources", f"gpu={config['gpu_slot']}", "--configfile", str(path)],
+            [sys.executable, "-m", "snakemake", *targets, "--cores", "all", "--resources", f"gpu={config['gpu_slot']}"]
+            + ["--configfile", str(path)],
             cwd=ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -90,14 +90,13 @@ def evaluations(config: dict, layout: Layout) -> dict:
     return found
 
 
-def partial_result(config: dict, layout: Layout, draft_lengths: list[int] | None) -> dict:
-    """What a run that did not end measured (the GPU machine's session ran out): from the files
-    `tools/gpu/session.sh` brings back in partial.tgz, unpacked as ``layout.results``."""
-    if draft_lengths:
-        config["evaluation"]["num_speculative_tokens"] = draft_lengths
+def measured_so_far(config: dict, layout: Layout) -> dict:
+    """What the run's own files hold, finished or not: the questions stage's account, seconds
+    per heavy job, validation per epoch and the greedy measurements (None where not yet made).
+    A run that did not end (the GPU machine's session ran out) is read from the partial.tgz
+    `tools/gpu/session.sh` brings back, unpacked as ``layout.results``."""
     metrics = TrainingMetrics.read(layout.drafter) if layout.training_metrics.is_file() else None
     return {
-        "complete": False,
         "questions": json.loads(layout.questions_summary.read_text()),
         "job_seconds": job_seconds(layout),
         "validation": [{"epoch": e["epoch"], **e.get("val", {})} for e in metrics.epochs] if metrics else None,
@@ -185,17 +184,17 @@ def main() -> None:
     )
     args = parser.parse_args()
     config = yaml.safe_load(args.config.read_text())
+    if args.draft_lengths:
+        config["evaluation"]["num_speculative_tokens"] = args.draft_lengths
     if args.partial:
         write_result(
-            args.name, {"config": str(args.config), **partial_result(config, Layout(args.partial), args.draft_lengths)}
+            args.name, {"config": str(args.config), "complete": False, **measured_so_far(config, Layout(args.partial))}
         )
         return
     import torch
 
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    if args.draft_lengths:
-        config["evaluation"]["num_speculative_tokens"] = args.draft_lengths
     layout = Layout(config["results_dir"])
     separate = separate_extraction_config(config, work)
     separate_layout = Layout(separate["results_dir"])
@@ -206,9 +205,8 @@ def main() -> None:
         separate, "separate_extraction", work, (str(separate_layout.training_view),)
     )
     layers, target = config["layers"], ROOT / config["target"]["model"]
-    questions = json.loads(layout.questions_summary.read_text())
-    seconds = job_seconds(layout)
-    metrics = TrainingMetrics.read(layout.drafter)
+    measured = measured_so_far(config, layout)
+    seconds = measured["job_seconds"]
     from datasets import load_from_disk
 
     rows = load_from_disk(str(layout.dataset)).with_format(None)
@@ -222,16 +220,13 @@ def main() -> None:
         "vllm": str(vllm_build.installed_version()),
         "torch": torch.__version__,
         "wall_s_this_call": wall,
-        "questions": {k: questions.get(k) for k in ("rows_read", "questions", "train", "heldout", "too_long")},
+        "complete": True,
+        **measured,
         "training_rows": len(rows),
         "row_tokens": row_tokens,
         "answer_tokens": answer_tokens,
-        "job_seconds": seconds,
         "generation_answer_tokens_per_s": round(answer_tokens / generate_s, 1) if generate_s else None,
         "training_tokens_per_s": round(row_tokens * config["training"]["epochs"] / train_s, 1) if train_s else None,
-        "validation": [{"epoch": e["epoch"], **e.get("val", {})} for e in metrics.epochs],
-        "published_epoch": metrics.published_epoch,
-        "greedy": evaluations(config, layout),
         "recommendation": json.loads(layout.acceptance.read_text())["recommendation"],
         "parity": {
             "one_pass": parity(layout, target, layers, args.parity_rows),
