@@ -10,8 +10,9 @@ as a second set) and records, from the run's own files:
 - per draft length k, concurrency, method and set (greedy): acceptance length, tokens per
   target step and tokens/s of the drafter, n-gram lookup and the target alone;
 - CUDA parity of the stored hidden states against Hugging Face's forward on the GPU at the
-  configured layers, for the one-pass rows of the run and for rows of a separate extraction
-  (a second, small run that shares the target), with the neighbouring layers' distance;
+  configured layers, for rows the run captured in one pass and for rows its extraction stage
+  prefilled (when one pass captured every row: rows of a second, small run with a separate
+  extraction that shares the target), with the neighbouring layers' distance;
 - the recommendation the run made.
 
     python bench/real_model_gpu.py [--draft-lengths 3] [--parity-rows 8] [--config FILE]
@@ -37,7 +38,8 @@ from results_file import write_result
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "workflow"))
 from draftsmith import vllm_build  # noqa: E402
-from draftsmith.layout import Layout  # noqa: E402
+from draftsmith.layout import Layout, hidden_state_file  # noqa: E402
+from draftsmith.one_pass import ADOPTED, CUT, CaptureOutcomes  # noqa: E402
 from draftsmith.records import TrainingMetrics  # noqa: E402
 
 CONFIG = ROOT / "config/smollm2-sharegpt-gpu.yaml"
@@ -105,7 +107,18 @@ def measured_so_far(config: dict, layout: Layout) -> dict:
     }
 
 
-def parity(layout: Layout, target: Path, layers: list[int], rows: int) -> dict:
+def rows_by_capture(layout: Layout) -> dict[str, list[Path]]:
+    """The published files of the rows generation captured (``one_pass``) and of those the
+    extraction stage prefilled (``extraction``), from each shard's one-pass outcomes."""
+    groups: dict[str, list[Path]] = {"one_pass": [], "extraction": []}
+    for shard in layout.extracted_shards():
+        outcomes = CaptureOutcomes(layout.staging_for("hidden_states", shard.name.removeprefix("shard_")))
+        for row, outcome in sorted(outcomes.rows.items()):
+            groups["one_pass" if outcome in (ADOPTED, CUT) else "extraction"].append(hidden_state_file(shard, row))
+    return groups
+
+
+def parity(files: list[Path], target: Path, layers: list[int]) -> dict:
     """Stored states against Hugging Face's fp32 forward of the same checkpoint on the GPU.
 
     vLLM serves in bf16, so a stored state differs from the fp32 forward by bf16 kernel
@@ -139,7 +152,6 @@ def parity(layout: Layout, target: Path, layers: list[int], rows: int) -> dict:
         return (got - want).norm(dim=-1) / want.norm(dim=-1)
 
     per_layer: dict[int, dict[str, list]] = {layer: {"stored": [], "floor": [], "wrong": []} for layer in layers}
-    files = sorted(layout.hidden_states.rglob("hs_*.safetensors"))[:rows]
     for path in files:
         stored = load_file(path)
         token_ids = stored["token_ids"].tolist()
@@ -198,12 +210,7 @@ def main() -> None:
     layout = Layout(config["results_dir"])
     separate = separate_extraction_config(config, work)
     separate_layout = Layout(separate["results_dir"])
-    # One run after the other: vLLM's memory profiling fails a server whose start overlaps
-    # another server's exit on the same GPU ("Error in memory profiling").
     wall = {"main": snakemake(config, "main", work)}
-    wall["separate_extraction"] = snakemake(
-        separate, "separate_extraction", work, (str(separate_layout.training_view),)
-    )
     layers, target = config["layers"], ROOT / config["target"]["model"]
     measured = measured_so_far(config, layout)
     seconds = measured["job_seconds"]
@@ -228,14 +235,29 @@ def main() -> None:
         "generation_answer_tokens_per_s": round(answer_tokens / generate_s, 1) if generate_s else None,
         "training_tokens_per_s": round(row_tokens * config["training"]["epochs"] / train_s, 1) if train_s else None,
         "recommendation": json.loads(layout.acceptance.read_text())["recommendation"],
-        "parity": {
-            "one_pass": parity(layout, target, layers, args.parity_rows),
-            "separate_extraction": parity(separate_layout, target, layers, args.parity_rows),
-        },
     }
-    write_result(args.name, result)
+    groups = rows_by_capture(layout)
+    chosen = {name: files[: args.parity_rows] for name, files in groups.items() if files}
+    result["parity"] = {name: parity(files, target, layers) for name, files in chosen.items()}
+    result["extraction_parity_rows"] = "prefilled by this run's extraction stage" if chosen.get("extraction") else None
+    record(result, args.name, work)
+    if not groups["extraction"]:
+        # One pass captured every row: extraction's parity from a small run of its own, after
+        # the main run (vLLM's memory profiling fails a server whose start overlaps another
+        # server's exit on the same GPU).
+        wall["separate_extraction"] = snakemake(
+            separate, "separate_extraction", work, (str(separate_layout.training_view),)
+        )
+        files = separate_layout.hidden_state_files()[: args.parity_rows]
+        result["parity"]["extraction"] = parity(files, target, layers)
+        result["extraction_parity_rows"] = "a separate run's extraction (one pass captured every row)"
+        record(result, args.name, work)
+
+
+def record(result: dict, name: str, work: Path) -> None:
+    write_result(name, result)
     # Beside the run too: on a borrowed machine the repository's new files may not outlive a call.
-    (work / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (work / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -368,6 +368,7 @@ def test_the_connector_named_to_vllm_is_ours() -> None:
         transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
         assert transfer["kv_connector"] == name and getattr(hidden_states_connector, name)
         assert args[args.index("--dtype") + 1] == "bfloat16"  # the target runs as served either way
+        assert "--enforce-eager" in args  # whatever server.extra_args say (CUDA graphs untried)
 
 
 @pytest.mark.vllm

@@ -101,9 +101,10 @@ def test_rejects_constant_layer(tmp_path: Path) -> None:
 def test_rejects_zero_token_row(tmp_path: Path) -> None:
     """A token whose state was never written (a wrong slot mapping) reads as zeros."""
     tensors = good_tensors()
-    tensors["hidden_states"][4, 3, :] = 0
+    tensors["hidden_states"][4:6, 3, :] = 0
     message = rejection(write(tmp_path / "hs_1.safetensors", tensors))
-    assert "layer 3 is all zeros at 1 token(s), first at position 4" in message
+    tokens = tensors["token_ids"].shape[0]
+    assert f"layer 3 is all zeros at 2 token(s), first at position 4, last at 5 of {tokens} tokens" in message
 
 
 def test_rejects_token_mismatch(tmp_path: Path) -> None:

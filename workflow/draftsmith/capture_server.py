@@ -89,6 +89,10 @@ def extraction_server_args(plan: LayerPlan, storage_dir: Path, shape: SampleShap
         "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)},
     }
     return [
+        # Eager, whatever server.extra_args say: vLLM's own example of this method runs eager,
+        # and our connector is untried under CUDA graphs. Only the capture server: evaluation
+        # keeps the graphs, whose speed is what it measures.
+        "--enforce-eager",
         "--speculative-config",
         json.dumps(speculative),
         "--kv-transfer-config",

@@ -92,7 +92,8 @@ def _check_values(path: Path, hidden_states: torch.Tensor) -> None:
         if len(dead_tokens):
             raise BadSample(
                 f"{path}: stored layer {layer} is all zeros at {len(dead_tokens)} token(s), "
-                f"first at position {dead_tokens[0].item()} (a slot that was never written?)"
+                f"first at position {dead_tokens[0].item()}, last at {dead_tokens[-1].item()} of "
+                f"{values.shape[0]} tokens (a slot that was never written?)"
             )
 
 
