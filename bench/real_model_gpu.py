@@ -210,8 +210,15 @@ def main() -> None:
     layout = Layout(config["results_dir"])
     separate = separate_extraction_config(config, work)
     separate_layout = Layout(separate["results_dir"])
-    wall = {"main": snakemake(config, "main", work)}
     layers, target = config["layers"], ROOT / config["target"]["model"]
+    # Parity first, as soon as the hidden states are published: a session that runs out of
+    # device time during training or evaluation still brings it back (work/parity.json).
+    wall = {"to_hidden_states": snakemake(config, "main", work, (str(layout.training_view),))}
+    groups = rows_by_capture(layout)
+    chosen = {name: files[: args.parity_rows] for name, files in groups.items() if files}
+    found_parity = {name: parity(files, target, layers) for name, files in chosen.items()}
+    (work / "parity.json").write_text(json.dumps(found_parity, indent=2) + "\n")
+    wall["main"] = snakemake(config, "main", work)
     measured = measured_so_far(config, layout)
     seconds = measured["job_seconds"]
     from datasets import load_from_disk
@@ -236,9 +243,7 @@ def main() -> None:
         "training_tokens_per_s": round(row_tokens * config["training"]["epochs"] / train_s, 1) if train_s else None,
         "recommendation": json.loads(layout.acceptance.read_text())["recommendation"],
     }
-    groups = rows_by_capture(layout)
-    chosen = {name: files[: args.parity_rows] for name, files in groups.items() if files}
-    result["parity"] = {name: parity(files, target, layers) for name, files in chosen.items()}
+    result["parity"] = found_parity
     result["extraction_parity_rows"] = "prefilled by this run's extraction stage" if chosen.get("extraction") else None
     record(result, args.name, work)
     if not groups["extraction"]:

@@ -45,7 +45,7 @@ EOF
 collect() {
     cp "$BENCH_LOG" "$OUT/bench.log" 2>/dev/null || true
     for log in results/bench_real_model_gpu/*.log; do [[ -f $log ]] && cp "$log" "$OUT/snakemake_$(basename "$log")"; done
-    cp results/bench_real_model_gpu/real_model_gpu.json "$OUT/" 2>/dev/null || true
+    cp results/bench_real_model_gpu/real_model_gpu.json results/bench_real_model_gpu/parity.json "$OUT/" 2>/dev/null || true
     # Failed jobs' own logs, so a failure on the machine can be read here.
     grep -l -i -E "Traceback|Error" results/smollm2-gpu/logs/*.log results/smollm2-gpu/logs/*/*.log 2>/dev/null |
         head -2 | while read -r log; do cp "$log" "$OUT/failed_$(basename "$(dirname "$log")")_$(basename "$log")"; done
