@@ -2,8 +2,8 @@
 conversations beat n-gram lookup and the target alone?
 
 Runs the whole workflow on ``config/smollm2-sharegpt-gpu.yaml`` (SmolLM2-135M-Instruct from its
-GGUF, 8,000 ShareGPT V3 first turns answered again by the target, one-pass capture, HumanEval
-as a second set) and records, from the run's own files:
+GGUF, 6,144 ShareGPT V3 first turns answered again by the target, HumanEval as a second set)
+and records, from the run's own files:
 - the questions stage's counts, wall seconds per heavy job (Snakemake's benchmark records),
   tokens/s of generation and of training;
 - the drafter's validation metrics per epoch;
@@ -38,7 +38,7 @@ from results_file import write_result
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "workflow"))
 from draftsmith import vllm_build  # noqa: E402
-from draftsmith.layout import Layout, hidden_state_file  # noqa: E402
+from draftsmith.layout import Layout, hidden_state_file, hidden_state_row  # noqa: E402
 from draftsmith.one_pass import ADOPTED, CUT, CaptureOutcomes  # noqa: E402
 from draftsmith.records import TrainingMetrics  # noqa: E402
 
@@ -109,10 +109,13 @@ def measured_so_far(config: dict, layout: Layout) -> dict:
 
 def rows_by_capture(layout: Layout) -> dict[str, list[Path]]:
     """The published files of the rows generation captured (``one_pass``) and of those the
-    extraction stage prefilled (``extraction``), from each shard's one-pass outcomes."""
+    extraction stage prefilled (``extraction``), from each shard's one-pass outcomes (a
+    separate capture has none: every row was prefilled)."""
     groups: dict[str, list[Path]] = {"one_pass": [], "extraction": []}
     for shard in layout.extracted_shards():
         outcomes = CaptureOutcomes(layout.staging_for("hidden_states", shard.name.removeprefix("shard_")))
+        if not outcomes.rows:
+            groups["extraction"] += sorted(shard.glob("hs_*.safetensors"), key=hidden_state_row)
         for row, outcome in sorted(outcomes.rows.items()):
             groups["one_pass" if outcome in (ADOPTED, CUT) else "extraction"].append(hidden_state_file(shard, row))
     return groups
@@ -194,14 +197,18 @@ def main() -> None:
     parser.add_argument(
         "--partial", type=Path, help="only summarize an unfinished run's results_dir (unpacked partial.tgz)"
     )
+    parser.add_argument("--parity", type=Path, help="with --partial: the parity.json the session brought back")
+    parser.add_argument("--note", help="with --partial: what the session did differently, in words")
     args = parser.parse_args()
     config = yaml.safe_load(args.config.read_text())
     if args.draft_lengths:
         config["evaluation"]["num_speculative_tokens"] = args.draft_lengths
     if args.partial:
-        write_result(
-            args.name, {"config": str(args.config), "complete": False, **measured_so_far(config, Layout(args.partial))}
-        )
+        partial = {"config": str(args.config), "complete": False, "note": args.note}
+        partial |= measured_so_far(config, Layout(args.partial))
+        if args.parity:
+            partial["parity"] = json.loads(args.parity.read_text())
+        write_result(args.name, partial)
         return
     import torch
 
@@ -218,6 +225,9 @@ def main() -> None:
     chosen = {name: files[: args.parity_rows] for name, files in groups.items() if files}
     found_parity = {name: parity(files, target, layers) for name, files in chosen.items()}
     (work / "parity.json").write_text(json.dumps(found_parity, indent=2) + "\n")
+    # The drafter's own measurement next: what a session short of device time most needs.
+    drafter_first = tuple(str(layout.drafter_measurement(k)) for k in config["evaluation"]["num_speculative_tokens"])
+    wall["to_drafter_measurement"] = snakemake(config, "main", work, drafter_first)
     wall["main"] = snakemake(config, "main", work)
     measured = measured_so_far(config, layout)
     seconds = measured["job_seconds"]

