@@ -27,9 +27,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
 from draftsmith import capture_server, extract, layout, train
-from draftsmith.capture_server import serving_dtype
 from draftsmith.demo_model import deepseek_config
-from draftsmith.disk_budget import RowSplit
+from draftsmith.disk_budget import RowSplit, StoredRowFormat
 from draftsmith.extract import ExtractionError, check_settings, shard_range
 from draftsmith.layers import resolve_layers
 from draftsmith.layout import hidden_state_file
@@ -321,13 +320,6 @@ def test_shards_are_contiguous_and_cover_everything() -> None:
         shard_range(11, 3, 3)
 
 
-def test_serving_dtype() -> None:
-    assert serving_dtype(torch.bfloat16, []) == torch.bfloat16
-    assert serving_dtype(torch.float32, []) == torch.bfloat16  # as vLLM's auto
-    assert serving_dtype(torch.bfloat16, ["--dtype", "float16"]) == torch.float16
-    assert serving_dtype(torch.float16, ["--dtype=auto"]) == torch.float16
-
-
 def test_settings_fail_fast(tiny_model: Path, dataset_dir: Path) -> None:
     rows = extract.load_shard(dataset_dir, 0, 1)
     settings = settings_for(tiny_model, tensor_parallel_size=2)
@@ -363,7 +355,7 @@ def test_the_connector_named_to_vllm_is_ours() -> None:
     assert capture_server.CONNECTOR_NAME == hidden_states_connector.CONNECTOR_NAME
     assert capture_server.FP8_CONNECTOR_NAME == hidden_states_connector.FP8_CONNECTOR_NAME
     for fp8, name in ((False, capture_server.CONNECTOR_NAME), (True, capture_server.FP8_CONNECTOR_NAME)):
-        shape = capture_server.SampleShape(3, 64, torch.bfloat16, fp8)
+        shape = capture_server.SampleShape(StoredRowFormat(3, 64, "bfloat16", fp8))
         args = capture_server.extraction_server_args(resolve_layers([0, 2, 5], 6), Path("/s"), shape)
         transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
         assert transfer["kv_connector"] == name and getattr(hidden_states_connector, name)
