@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT / "workflow"))
 from draftsmith.evaluate import acceptance_length, merged  # noqa: E402
 from draftsmith.evaluation_summary import tokens_per_step  # noqa: E402
 from draftsmith.layout import Layout  # noqa: E402
-from draftsmith.records import Measurement, TrainingMetrics  # noqa: E402
+from draftsmith.records import EvaluationSummary, Measurement, TrainingMetrics  # noqa: E402
 
 CONFIG = ROOT / "config/smollm2-sharegpt.yaml"
 TIMESTAMP = re.compile(r"^\[(\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4})\]$")
@@ -131,7 +131,7 @@ def measured(config: dict, log_text: str) -> dict:
     answer_tokens = sum(sum(mask) for mask in rows["loss_mask"])
     trained_tokens = sum(rows["seq_len"]) * config["training"]["epochs"]
     metrics = TrainingMetrics.read(layout.drafter)
-    acceptance = json.loads(layout.acceptance.read_text())
+    summary = EvaluationSummary.read(layout.acceptance)
     methods = {
         "target_alone": per_set(layout.baseline_measurement, 0, concurrency),
         "drafter": per_set(layout.drafter_measurement(k), k, concurrency),
@@ -155,8 +155,13 @@ def measured(config: dict, log_text: str) -> dict:
         "published_epoch": metrics.published_epoch,
         "greedy": {"num_speculative_tokens": k, "concurrency": concurrency, "by_method": methods},
         "recommendation": [
-            {key: row.get(key) for key in ("concurrency", "temperature", "serve", "serve_speedup")}
-            for row in acceptance["recommendation"]
+            {
+                "concurrency": r.concurrency,
+                "temperature": r.temperature,
+                "serve": r.serve,
+                "serve_speedup": r.serve_speedup,
+            }
+            for r in summary.recommendation
         ],
     }
 

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "workflow"))
 from draftsmith import vllm_build  # noqa: E402
 from draftsmith.layout import Layout, hidden_state_file  # noqa: E402
 from draftsmith.one_pass import ADOPTED, CUT, CaptureOutcomes  # noqa: E402
-from draftsmith.records import TrainingMetrics  # noqa: E402
+from draftsmith.records import EvaluationSummary, TrainingMetrics  # noqa: E402
 
 CONFIG = ROOT / "config/smollm2-sharegpt-gpu.yaml"
 
@@ -241,7 +241,7 @@ def main() -> None:
         "answer_tokens": answer_tokens,
         "generation_answer_tokens_per_s": round(answer_tokens / generate_s, 1) if generate_s else None,
         "training_tokens_per_s": round(row_tokens * config["training"]["epochs"] / train_s, 1) if train_s else None,
-        "recommendation": json.loads(layout.acceptance.read_text())["recommendation"],
+        "recommendation": EvaluationSummary.read(layout.acceptance).to_dict()["recommendation"],
     }
     result["parity"] = found_parity
     result["extraction_parity_rows"] = "prefilled by this run's extraction stage" if chosen.get("extraction") else None
