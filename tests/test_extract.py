@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -132,24 +131,18 @@ def settings_for(model: Path, tensor_parallel_size: int = 1) -> dict:
 
 
 def run_cli(settings: dict, dataset: Path, work: Path) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable,
-        "-m",
-        "draftsmith.extract",
-        "--settings",
-        json.dumps(settings),
-        "--dataset",
-        str(dataset),
-        "--shard",
-        "0",
-        "--num-shards",
-        "1",
-        "--staging",
-        str(work / "staging"),
-        "--output",
-        str(work / "out"),
-    ]
+    command = extract.shard_command(json.dumps(settings), dataset, work / "staging", work / "out")
     return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=600)
+
+
+def test_the_shard_command_is_the_one_the_stage_parses(monkeypatch, tmp_path: Path) -> None:
+    ran = []
+    monkeypatch.setattr(extract, "read_settings", lambda value, stage: value)
+    monkeypatch.setattr(extract, "run", lambda *args: ran.append(args))
+    command = extract.shard_command('{"x": 1}', tmp_path / "d", tmp_path / "s", tmp_path / "o", 2, 3)
+    assert command[1:3] == ["-m", "draftsmith.extract"]
+    extract.main(command[3:])
+    assert ran[0][:6] == ('{"x": 1}', tmp_path / "d", 2, 3, tmp_path / "s", tmp_path / "o")
 
 
 def hf_states(model_path: Path, token_ids: list[int], dtype=torch.float32) -> list[torch.Tensor]:

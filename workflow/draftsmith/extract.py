@@ -33,6 +33,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -374,6 +375,16 @@ def run(
     shutil.rmtree(storage)
     log(f"published {len(rows)} samples to {output}")
     return result
+
+
+def shard_command(
+    settings: str, dataset: Path, staging: Path, output: Path, shard: int = 0, num_shards: int = 1
+) -> list[str]:
+    """This stage's command line for one shard, as the extract rule runs it; for runs by hand
+    (the tests', the resume bench's). ``settings``: as ``--settings`` takes it."""
+    flags = {"--settings": settings, "--dataset": dataset, "--shard": shard, "--num-shards": num_shards}
+    flags |= {"--staging": staging, "--output": output}
+    return [sys.executable, "-m", "draftsmith.extract", *(str(part) for flag in flags.items() for part in flag)]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
