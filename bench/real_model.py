@@ -82,22 +82,31 @@ def rule_seconds(log_text: str) -> dict[str, float]:
     return seconds
 
 
-def run_size(config: dict, size: int, work: Path, cores: str) -> dict:
-    config_path = work / f"questions_{size}.yaml"
-    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    log_path = work / f"questions_{size}.snakemake.log"
+def snakemake(
+    config: dict, name: str, work: Path, targets: tuple[str, ...] = (), cores: str = "all", gpus: int = 8
+) -> float:
+    """One resumable Snakemake run of ``config``, in seconds; its output goes to ``work/<name>.log``."""
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
     started = time.monotonic()
-    with log_path.open("a") as log:
+    with (work / f"{name}.log").open("a") as log:
         done = subprocess.run(
-            [sys.executable, "-m", "snakemake", "--cores", cores, "--resources", "gpu=8"]
-            + ["--configfile", str(config_path)],
+            # Targets first: --configfile takes every argument after it.
+            [sys.executable, "-m", "snakemake", *targets, "--cores", cores, "--resources", f"gpu={gpus}"]
+            + ["--configfile", str(path)],
             cwd=ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,
         )
     if done.returncode != 0:
-        raise SystemExit(f"size {size} failed; see {log_path}")
-    return {"wall_s_this_call": round(time.monotonic() - started, 1), **measured(config, log_path.read_text())}
+        raise SystemExit(f"{name} failed; see {work / name}.log")
+    return round(time.monotonic() - started, 1)
+
+
+def run_size(config: dict, size: int, work: Path, cores: str) -> dict:
+    name = f"questions_{size}"
+    seconds = snakemake(config, name, work, cores=cores)
+    return {"wall_s_this_call": seconds, **measured(config, (work / f"{name}.log").read_text())}
 
 
 def per_set(path: Path, k: int, concurrency: int) -> dict[str, dict]:
