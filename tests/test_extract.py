@@ -23,10 +23,10 @@ from conftest import VLLM_ENV, server_settings
 from datasets import Dataset
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from draftsmith import capture_server, extract, layout, train
-from draftsmith.demo_model import deepseek_config
+from draftsmith.demo_model import model_config
 from draftsmith.disk_budget import RowSplit, StoredRowFormat
 from draftsmith.extract import ExtractionError, check_settings, shard_range
 from draftsmith.layers import resolve_layers
@@ -47,8 +47,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def build_tiny_target(path: Path, architecture: str = "llama") -> None:
-    """Random 5-layer target: a Llama (hidden 128, 2 heads of head_dim 64; 16 fails on vLLM
-    CPU), or the demo's DeepSeek-V3 (MLA at the real latent geometry, 4+1 experts)."""
+    """Random 5-layer target: the demo's Llama (hidden 128, 2 heads of head_dim 64; 16 fails on
+    vLLM CPU) or DeepSeek-V3 (MLA at the real latent geometry, 4+1 experts), on a word-level
+    tokenizer of its own."""
     words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(VOCAB - 3)]
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -57,23 +58,8 @@ def build_tiny_target(path: Path, architecture: str = "llama") -> None:
     )
     hf_tokenizer.save_pretrained(path)
     torch.manual_seed(0)
-    if architecture == "deepseek_v3":
-        config = deepseek_config(hf_tokenizer)
-        config.num_hidden_layers = NUM_LAYERS
-    else:
-        config = LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=128,
-            intermediate_size=256,
-            num_hidden_layers=NUM_LAYERS,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            head_dim=64,
-            max_position_embeddings=512,
-            bos_token_id=1,
-            eos_token_id=2,
-            tie_word_embeddings=False,
-        )
+    config = model_config(hf_tokenizer, architecture)
+    config.num_hidden_layers = NUM_LAYERS
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # larger weights than the 0.02 init: layers differ clearly
         for param in model.parameters():

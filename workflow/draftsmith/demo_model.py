@@ -73,7 +73,6 @@ def model_config(tokenizer: PreTrainedTokenizerFast, architecture: str = "llama"
     return LlamaConfig(
         hidden_size=128,
         intermediate_size=384,
-        num_hidden_layers=6,
         num_attention_heads=2,
         num_key_value_heads=2,
         head_dim=64,
@@ -82,9 +81,11 @@ def model_config(tokenizer: PreTrainedTokenizerFast, architecture: str = "llama"
 
 
 def shared_config(tokenizer: PreTrainedTokenizerFast) -> dict[str, Any]:
-    """What both architectures share: the tokenizer's vocabulary and special tokens, the context
-    and untied embeddings."""
+    """What both architectures share: six layers (the demo configs' ``layers: [1, 2, 4, 5]``
+    end at the last), the tokenizer's vocabulary and special tokens, the context and untied
+    embeddings."""
     return {
+        "num_hidden_layers": 6,
         "vocab_size": len(tokenizer),
         "max_position_embeddings": 512,
         "tie_word_embeddings": False,
@@ -103,7 +104,6 @@ def deepseek_config(tokenizer: PreTrainedTokenizerFast) -> DeepseekV3Config:
         hidden_size=256,
         intermediate_size=512,
         moe_intermediate_size=256,
-        num_hidden_layers=6,
         num_attention_heads=4,
         num_key_value_heads=4,
         n_routed_experts=4,
