@@ -20,7 +20,6 @@ are measured in the same session; without it a finished run is only read.
 """
 
 import argparse
-import json
 import shutil
 import subprocess
 import sys
@@ -34,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "workflow"))
 from draftsmith.drafter_kinds import DEFAULT_KIND, KINDS  # noqa: E402
 from draftsmith.layout import Layout  # noqa: E402
-from draftsmith.records import TrainingMetrics  # noqa: E402
+from draftsmith.records import EvaluationSummary, SetResult, TrainingMetrics  # noqa: E402
 
 CPU_KINDS = [kind for kind, spec in KINDS.items() if "cpu" in spec.devices and kind != DEFAULT_KIND]
 SERVED_KEYS = ("temperature", "concurrency", "serve", "serve_speedup", "serve_within_noise")
@@ -74,24 +73,24 @@ def forget(layout: Layout, kinds: list[str], draft_lengths: list[int]) -> None:
     layout.acceptance.unlink(missing_ok=True)
 
 
-def kind_result(layout: Layout, kind: str, acceptance: dict) -> dict:
+def kind_result(layout: Layout, kind: str, summary: EvaluationSummary) -> dict:
     drafter = layout.drafter if kind == DEFAULT_KIND else layout.kind_drafter(kind)
     benchmark = "train" if kind == DEFAULT_KIND else f"train_{kind}"
     metrics = TrainingMetrics.read(drafter)
     last = metrics.epochs[-1]["val"] if metrics.epochs else {}
-    rows = [r for r in acceptance["results"] if r["method"] == kind and r["category"] == "*"]
+    rows = [r for r in summary.results if isinstance(r, SetResult) and r.method == kind]
     return {
         "training_s": round(benchmark_seconds(layout.results / "benchmarks" / f"{benchmark}.tsv"), 1),
         "validation_accuracy": {name: value for name, value in sorted(last.items()) if "acc" in name},
         "measured": [
             {
-                "k": r["num_speculative_tokens"],
-                "set": r["set"],
-                "concurrency": r["concurrency"],
-                "temperature": r["temperature"],
-                "acceptance_length": r["acceptance_length"],
-                "tokens_per_s": r["tokens_per_s_with_drafter"],
-                "speedup": r["speedup"],
+                "k": r.num_speculative_tokens,
+                "set": r.set,
+                "concurrency": r.concurrency,
+                "temperature": r.temperature,
+                "acceptance_length": r.acceptance_length,
+                "tokens_per_s": r.tokens_per_s_with_drafter,
+                "speedup": r.speedup,
             }
             for r in rows
         ],
@@ -110,8 +109,8 @@ def main() -> None:
         forget(Layout(base["results_dir"]), args.kinds, lengths if isinstance(lengths, list) else [lengths])
     config = run_with_kinds(args.run, args.kinds)
     layout = Layout(config["results_dir"])
-    acceptance = json.loads(layout.acceptance.read_text())
-    kinds = {kind: kind_result(layout, kind, acceptance) for kind in [DEFAULT_KIND, *args.kinds]}
+    summary = EvaluationSummary.read(layout.acceptance)
+    kinds = {kind: kind_result(layout, kind, summary) for kind in [DEFAULT_KIND, *args.kinds]}
     write_result(
         "drafter_kinds",
         {
@@ -119,7 +118,7 @@ def main() -> None:
             "epochs": config["training"]["epochs"],
             "kind_args": config["training"]["kind_args"],
             "kinds": kinds,
-            "served": [{key: row[key] for key in SERVED_KEYS} for row in acceptance["recommendation"]],
+            "served": [{key: getattr(row, key) for key in SERVED_KEYS} for row in summary.recommendation],
         },
     )
     print(f"written to {RESULTS / 'drafter_kinds.json'}")

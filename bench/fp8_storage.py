@@ -12,33 +12,22 @@ DIR is a finished run of the demo (a copy of the repository after ``make demo``)
 left at fp8. Results go to ``bench/results/fp8_storage.json``.
 """
 
-import argparse
-from pathlib import Path
-
 from results_file import write_result
-from scale import Layout, run_mode
+from scale import FinishedDemo, acceptance_gap
 
 GOAL = "fp8 about half the bytes of bf16; acceptance within 0.15 of bf16"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", type=Path, required=True)
-    parser.add_argument("--epochs", type=int, default=15)
-    args = parser.parse_args()
-    workdir = args.workdir.resolve()
-    layout = Layout(workdir / "results")
-    served, fp8 = (
-        run_mode(workdir, layout, name, {"disk_budget": "all", "stored_dtype": name}, args.epochs)
-        for name in ("served", "fp8")
-    )
+    demo = FinishedDemo.from_args(__doc__, epochs=15)
+    served, fp8 = (demo.run_mode(name, {"disk_budget": "all", "stored_dtype": name}) for name in ("served", "fp8"))
     write_result(
         "fp8_storage",
         {
             "goal": GOAL,
             "modes": [served, fp8],
             "bytes_ratio_fp8_over_bf16": round(fp8["hidden_state_bytes_after"] / served["hidden_state_bytes_after"], 4),
-            "acceptance_gap_fp8_minus_bf16": round(fp8["acceptance_length"] - served["acceptance_length"], 3),
+            "acceptance_gap_fp8_minus_bf16": acceptance_gap(fp8, served),
         },
     )
 

@@ -35,7 +35,7 @@ from results_file import RESULTS, write_result
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "workflow"))
 from draftsmith.layout import Layout  # noqa: E402
-from draftsmith.records import ShardManifest, TrainingMetrics  # noqa: E402
+from draftsmith.records import EvaluationSummary, ShardManifest, TrainingMetrics  # noqa: E402
 
 CONFIG = ROOT / "config/config.yaml"
 MODES = ("separate", "during_generation")
@@ -99,7 +99,6 @@ def measured(config: dict) -> dict:
     for manifest in manifests:
         for outcome, n in (manifest.captured_during_generation or {}).items():
             outcomes[outcome] = outcomes.get(outcome, 0) + n
-    acceptance = json.loads(layout.acceptance.read_text())
     metrics = TrainingMetrics.read(layout.drafter)
     last = metrics.epochs[-1]["val"] if metrics.epochs else {}
     return {
@@ -116,7 +115,7 @@ def measured(config: dict) -> dict:
         "rows": sum(m.num_rows for m in manifests if m),
         "rows_by_source": outcomes
         or {"requested by prefill (separate extraction)": sum(m.num_rows for m in manifests)},
-        "acceptance_length": acceptance["acceptance_length"],
+        "acceptance_length": EvaluationSummary.read(layout.acceptance).acceptance_length,
         "validation": {key: value for key, value in last.items() if "0" in key or "acc" in key},
     }
 

@@ -32,6 +32,7 @@ from snakemake.utils import validate
 from draftsmith import questions
 from draftsmith.demo_model import build_demo_model
 from draftsmith.preflight import default_install_cache
+from draftsmith.records import EvaluationSummary
 from draftsmith.run_config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,7 +91,7 @@ def timed(command: list[str], code: Path, cwd: Path, log: Path) -> float:
 
 
 def acceptance(path: Path) -> float:
-    return json.loads(path.read_text())["acceptance_length"]
+    return EvaluationSummary.read(path).acceptance_length
 
 
 def main() -> None:

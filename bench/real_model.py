@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT / "workflow"))
 from draftsmith.evaluate import acceptance_length, merged  # noqa: E402
 from draftsmith.evaluation_summary import tokens_per_step  # noqa: E402
 from draftsmith.layout import Layout  # noqa: E402
-from draftsmith.records import Measurement, TrainingMetrics  # noqa: E402
+from draftsmith.records import EvaluationSummary, Measurement, TrainingMetrics  # noqa: E402
 
 CONFIG = ROOT / "config/smollm2-sharegpt.yaml"
 TIMESTAMP = re.compile(r"^\[(\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4})\]$")
@@ -82,22 +82,31 @@ def rule_seconds(log_text: str) -> dict[str, float]:
     return seconds
 
 
-def run_size(config: dict, size: int, work: Path, cores: str) -> dict:
-    config_path = work / f"questions_{size}.yaml"
-    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    log_path = work / f"questions_{size}.snakemake.log"
+def snakemake(
+    config: dict, name: str, work: Path, targets: tuple[str, ...] = (), cores: str = "all", gpus: int = 8
+) -> float:
+    """One resumable Snakemake run of ``config``, in seconds; its output goes to ``work/<name>.log``."""
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
     started = time.monotonic()
-    with log_path.open("a") as log:
+    with (work / f"{name}.log").open("a") as log:
         done = subprocess.run(
-            [sys.executable, "-m", "snakemake", "--cores", cores, "--resources", "gpu=8"]
-            + ["--configfile", str(config_path)],
+            # Targets first: --configfile takes every argument after it.
+            [sys.executable, "-m", "snakemake", *targets, "--cores", cores, "--resources", f"gpu={gpus}"]
+            + ["--configfile", str(path)],
             cwd=ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,
         )
     if done.returncode != 0:
-        raise SystemExit(f"size {size} failed; see {log_path}")
-    return {"wall_s_this_call": round(time.monotonic() - started, 1), **measured(config, log_path.read_text())}
+        raise SystemExit(f"{name} failed; see {work / name}.log")
+    return round(time.monotonic() - started, 1)
+
+
+def run_size(config: dict, size: int, work: Path, cores: str) -> dict:
+    name = f"questions_{size}"
+    seconds = snakemake(config, name, work, cores=cores)
+    return {"wall_s_this_call": seconds, **measured(config, (work / f"{name}.log").read_text())}
 
 
 def per_set(path: Path, k: int, concurrency: int) -> dict[str, dict]:
@@ -131,7 +140,7 @@ def measured(config: dict, log_text: str) -> dict:
     answer_tokens = sum(sum(mask) for mask in rows["loss_mask"])
     trained_tokens = sum(rows["seq_len"]) * config["training"]["epochs"]
     metrics = TrainingMetrics.read(layout.drafter)
-    acceptance = json.loads(layout.acceptance.read_text())
+    summary = EvaluationSummary.read(layout.acceptance)
     methods = {
         "target_alone": per_set(layout.baseline_measurement, 0, concurrency),
         "drafter": per_set(layout.drafter_measurement(k), k, concurrency),
@@ -155,8 +164,13 @@ def measured(config: dict, log_text: str) -> dict:
         "published_epoch": metrics.published_epoch,
         "greedy": {"num_speculative_tokens": k, "concurrency": concurrency, "by_method": methods},
         "recommendation": [
-            {key: row.get(key) for key in ("concurrency", "temperature", "serve", "serve_speedup")}
-            for row in acceptance["recommendation"]
+            {
+                "concurrency": r.concurrency,
+                "temperature": r.temperature,
+                "serve": r.serve,
+                "serve_speedup": r.serve_speedup,
+            }
+            for r in summary.recommendation
         ],
     }
 

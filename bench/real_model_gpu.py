@@ -26,13 +26,11 @@ GPU set-up to run it on a machine without a package index: docs/gpu.md).
 import argparse
 import csv
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import yaml
-from real_model import per_set
+from real_model import per_set, snakemake
 from results_file import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,28 +38,9 @@ sys.path.insert(0, str(ROOT / "workflow"))
 from draftsmith import vllm_build  # noqa: E402
 from draftsmith.layout import Layout, hidden_state_file, hidden_state_row  # noqa: E402
 from draftsmith.one_pass import ADOPTED, CUT, CaptureOutcomes  # noqa: E402
-from draftsmith.records import TrainingMetrics  # noqa: E402
+from draftsmith.records import EvaluationSummary, TrainingMetrics  # noqa: E402
 
 CONFIG = ROOT / "config/smollm2-sharegpt-gpu.yaml"
-
-
-def snakemake(config: dict, name: str, work: Path, targets: tuple[str, ...] = ()) -> float:
-    """One resumable Snakemake run of ``config``; its output goes to ``work/<name>.log``."""
-    path = work / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    started = time.monotonic()
-    with (work / f"{name}.log").open("a") as log:
-        done = subprocess.run(
-            # Targets first: --configfile takes every argument after it.
-            [sys.executable, "-m", "snakemake", *targets, "--cores", "all", "--resources", f"gpu={config['gpu_slot']}"]
-            + ["--configfile", str(path)],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    if done.returncode != 0:
-        raise SystemExit(f"{name} failed; see {work / name}.log")
-    return round(time.monotonic() - started, 1)
 
 
 def job_seconds(layout: Layout) -> dict[str, float]:
@@ -220,15 +199,15 @@ def main() -> None:
     layers, target = config["layers"], ROOT / config["target"]["model"]
     # Parity first, as soon as the hidden states are published: a session that runs out of
     # device time during training or evaluation still brings it back (work/parity.json).
-    wall = {"to_hidden_states": snakemake(config, "main", work, (str(layout.training_view),))}
+    wall = {"to_hidden_states": snakemake(config, "main", work, (str(layout.training_view),), gpus=config["gpu_slot"])}
     groups = rows_by_capture(layout)
     chosen = {name: files[: args.parity_rows] for name, files in groups.items() if files}
     found_parity = {name: parity(files, target, layers) for name, files in chosen.items()}
     (work / "parity.json").write_text(json.dumps(found_parity, indent=2) + "\n")
     # The drafter's own measurement next: what a session short of device time most needs.
     drafter_first = tuple(str(layout.drafter_measurement(k)) for k in config["evaluation"]["num_speculative_tokens"])
-    wall["to_drafter_measurement"] = snakemake(config, "main", work, drafter_first)
-    wall["main"] = snakemake(config, "main", work)
+    wall["to_drafter_measurement"] = snakemake(config, "main", work, drafter_first, gpus=config["gpu_slot"])
+    wall["main"] = snakemake(config, "main", work, gpus=config["gpu_slot"])
     measured = measured_so_far(config, layout)
     seconds = measured["job_seconds"]
     from datasets import load_from_disk
@@ -251,7 +230,7 @@ def main() -> None:
         "answer_tokens": answer_tokens,
         "generation_answer_tokens_per_s": round(answer_tokens / generate_s, 1) if generate_s else None,
         "training_tokens_per_s": round(row_tokens * config["training"]["epochs"] / train_s, 1) if train_s else None,
-        "recommendation": json.loads(layout.acceptance.read_text())["recommendation"],
+        "recommendation": EvaluationSummary.read(layout.acceptance).to_dict()["recommendation"],
     }
     result["parity"] = found_parity
     result["extraction_parity_rows"] = "prefilled by this run's extraction stage" if chosen.get("extraction") else None
@@ -261,7 +240,7 @@ def main() -> None:
         # the main run (vLLM's memory profiling fails a server whose start overlaps another
         # server's exit on the same GPU).
         wall["separate_extraction"] = snakemake(
-            separate, "separate_extraction", work, (str(separate_layout.training_view),)
+            separate, "separate_extraction", work, (str(separate_layout.training_view),), gpus=separate["gpu_slot"]
         )
         files = separate_layout.hidden_state_files()[: args.parity_rows]
         result["parity"]["extraction"] = parity(files, target, layers)

@@ -12,30 +12,30 @@ DIR is a finished run of the workflow (e.g. a copy of the repository after `make
 """
 
 import argparse
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 from results_file import write_result
 
+from draftsmith.records import EvaluationSummary
+
 ACCEPTANCE = "results/eval/acceptance.json"
 
 
 def recommendation(workdir: Path) -> list[dict]:
-    rows = json.loads((workdir / ACCEPTANCE).read_text())["recommendation"]
     return [
         {
-            "concurrency": row["concurrency"],
-            "temperature": row["temperature"],
-            "draft_length": row["num_speculative_tokens"],
-            "chosen_by": row["chosen_by"],
-            "within_noise": row["within_noise"],
-            "tokens_per_s": row["tokens_per_s_by_draft_length"],
-            "spread": row["spread_by_draft_length"],
-            "tokens_per_s_target_alone": row["tokens_per_s_without_drafter"],
+            "concurrency": row.concurrency,
+            "temperature": row.temperature,
+            "draft_length": row.num_speculative_tokens,
+            "chosen_by": row.chosen_by,
+            "within_noise": row.within_noise,
+            "tokens_per_s": row.tokens_per_s_by_draft_length,
+            "spread": row.spread_by_draft_length,
+            "tokens_per_s_target_alone": row.tokens_per_s_without_drafter,
         }
-        for row in rows
+        for row in EvaluationSummary.read(workdir / ACCEPTANCE).recommendation
     ]
 
 

@@ -13,7 +13,6 @@ import argparse
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -49,23 +48,7 @@ def main() -> None:
     staging, output = args.workdir / "staging", args.workdir / "output"
     subprocess.run(["rm", "-rf", str(args.workdir)], check=True)
 
-    command = [
-        sys.executable,
-        "-m",
-        "draftsmith.extract",
-        "--settings",
-        json.dumps(settings),
-        "--dataset",
-        str(dataset),
-        "--shard",
-        "0",
-        "--num-shards",
-        "1",
-        "--staging",
-        str(staging),
-        "--output",
-        str(output),
-    ]
+    command = extract.shard_command(json.dumps(settings), dataset, staging, output)
     with (args.workdir.parent / "draftsmith-bench-resume-run1.log").open("w") as log:
         first = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         while staged(staging) < rows // 2:

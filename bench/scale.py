@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -106,44 +107,66 @@ def delete_hidden_states(layout: Layout) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def run_mode(workdir: Path, layout: Layout, name: str, hidden_states: dict, epochs: int) -> dict:
-    """One run from the finished dataset with this ``hidden_states`` section."""
-    delete_hidden_states(layout)
-    override = workdir / f"scale_{name}.yaml"
-    training = {**yaml.safe_load((workdir / "config/config.yaml").read_text())["training"], "epochs": epochs}
-    override.write_text(json.dumps({"hidden_states": hidden_states, "evaluation": EVALUATION, "training": training}))
-    target = layout.drafter_measurement(DRAFT_LENGTH).relative_to(workdir)
-    command = [sys.executable, "-m", "snakemake", "--configfile", "config/config.yaml", str(override)]
-    command += ["--cores", "all", "--resources", "gpu=8", "--forcerun", "train", "--", str(target)]
-    started = time.time()
-    with DiskSampler(layout) as sampler:
-        subprocess.run(command, cwd=workdir, check=True)
-    train_seconds = float(layout.benchmark("train").read_text().splitlines()[1].split("\t")[0])
-    return {
-        "mode": name,
-        **hidden_states,
-        "epochs": epochs,
-        "peak_hidden_state_bytes": sampler.peak,
-        "disk_samples": sampler.samples,
-        "hidden_state_bytes_after": hidden_state_bytes(layout),
-        "acceptance_length": round(heldout_acceptance(workdir / target), 3),
-        "train_seconds": train_seconds,
-        "model_loads": model_loads(layout, started),
-        "run_seconds": round(time.time() - started, 1),
-    }
+@dataclass(frozen=True)
+class FinishedDemo:
+    """A finished run of the demo (``--workdir``) that a bench trains again from its dataset,
+    for ``--epochs`` epochs a mode."""
+
+    workdir: Path
+    epochs: int
+
+    @classmethod
+    def from_args(cls, doc: str, epochs: int) -> "FinishedDemo":
+        parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+        parser.add_argument("--workdir", type=Path, required=True)
+        parser.add_argument("--epochs", type=int, default=epochs)
+        args = parser.parse_args()
+        return cls(args.workdir.resolve(), args.epochs)
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.workdir / "results")
+
+    def run_mode(self, name: str, hidden_states: dict) -> dict:
+        """One run from the finished dataset with this ``hidden_states`` section."""
+        workdir, layout = self.workdir, self.layout
+        delete_hidden_states(layout)
+        override = workdir / f"scale_{name}.yaml"
+        training = {**yaml.safe_load((workdir / "config/config.yaml").read_text())["training"], "epochs": self.epochs}
+        override.write_text(
+            json.dumps({"hidden_states": hidden_states, "evaluation": EVALUATION, "training": training})
+        )
+        target = layout.drafter_measurement(DRAFT_LENGTH).relative_to(workdir)
+        command = [sys.executable, "-m", "snakemake", "--configfile", "config/config.yaml", str(override)]
+        command += ["--cores", "all", "--resources", "gpu=8", "--forcerun", "train", "--", str(target)]
+        started = time.time()
+        with DiskSampler(layout) as sampler:
+            subprocess.run(command, cwd=workdir, check=True)
+        train_seconds = float(layout.benchmark("train").read_text().splitlines()[1].split("\t")[0])
+        return {
+            "mode": name,
+            **hidden_states,
+            "epochs": self.epochs,
+            "peak_hidden_state_bytes": sampler.peak,
+            "disk_samples": sampler.samples,
+            "hidden_state_bytes_after": hidden_state_bytes(layout),
+            "acceptance_length": round(heldout_acceptance(workdir / target), 3),
+            "train_seconds": train_seconds,
+            "model_loads": model_loads(layout, started),
+            "run_seconds": round(time.time() - started, 1),
+        }
+
+
+def acceptance_gap(mode: dict, reference: dict) -> float:
+    return round(mode["acceptance_length"] - reference["acceptance_length"], 3)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", type=Path, required=True)
-    parser.add_argument("--epochs", type=int, default=4)
-    args = parser.parse_args()
-    workdir = args.workdir.resolve()
-    layout = Layout(workdir / "results")
-    modes = [run_mode(workdir, layout, "offline", {"disk_budget": "all"}, args.epochs)]
+    demo = FinishedDemo.from_args(__doc__, epochs=4)
+    modes = [demo.run_mode("offline", {"disk_budget": "all"})]
     offline_bytes = modes[0]["hidden_state_bytes_after"]
-    modes.append(run_mode(workdir, layout, "budget", {"disk_budget": offline_bytes // 2}, args.epochs))
-    modes.append(run_mode(workdir, layout, "online", {"disk_budget": 0}, args.epochs))
+    modes.append(demo.run_mode("budget", {"disk_budget": offline_bytes // 2}))
+    modes.append(demo.run_mode("online", {"disk_budget": 0}))
     offline, budget, online = modes
     write_result(
         "scale",
@@ -154,9 +177,7 @@ def main() -> None:
             "modes": modes,
             "online_peak_share_of_offline": round(online["peak_hidden_state_bytes"] / offline_bytes, 4),
             "budget_peak_over_budget_bytes": budget["peak_hidden_state_bytes"] - budget["disk_budget"],
-            "acceptance_gap_to_offline": {
-                m["mode"]: round(m["acceptance_length"] - offline["acceptance_length"], 3) for m in (budget, online)
-            },
+            "acceptance_gap_to_offline": {m["mode"]: acceptance_gap(m, offline) for m in (budget, online)},
         },
     )
 

@@ -112,21 +112,13 @@ def demo_target(tmp_path_factory) -> Path:
 def tiny_tokenizer(tmp_path_factory) -> Path:
     """A model directory with a tokenizer and a config but no weights: enough for every
     consumer of the tokenizer (prepare-data, the context checks) in a second."""
-    from transformers import LlamaConfig
-
     from draftsmith.demo_language import build_tokenizer
+    from draftsmith.demo_model import model_config
 
     path = tmp_path_factory.mktemp("tiny-tokenizer")
-    tokenizer = build_tokenizer()  # the demo's, without its model
+    tokenizer = build_tokenizer()  # the demo target's tokenizer and config, without its weights
     tokenizer.save_pretrained(path)
-    LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-    ).save_pretrained(path)
+    model_config(tokenizer).save_pretrained(path)
     return path
 
 

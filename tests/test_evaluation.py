@@ -23,7 +23,7 @@ from draftsmith.evaluate import (
 )
 from draftsmith.evaluation_report import tables_html
 from draftsmith.evaluation_summary import by_method_and_length, per_position, run, summarize, tokens_per_step
-from draftsmith.records import Measurement
+from draftsmith.records import EvaluationSummary, Measurement, RecordError
 from draftsmith.run_config import RunConfig
 from draftsmith.settings import tracked_settings
 
@@ -142,57 +142,99 @@ def test_the_recommendation_is_the_fastest_draft_length_at_each_concurrency(tmp_
     baseline = job(None, {1: 2.0, 16: 1.0})
     drafters = {3: job(3, {1: 1.0, 16: 1.5}), 1: job(1, {1: 1.5, 16: 0.5})}
     result = summarize(settings([3, 1], [16, 1]), baseline, drafters, None)
-    best = {row["concurrency"]: row for row in result["recommendation"]}
-    assert best[1]["num_speculative_tokens"] == 3 and best[1]["speedup"] == pytest.approx(2.0)
-    assert best[16]["num_speculative_tokens"] == 1 and best[16]["speedup"] == pytest.approx(2.0)
-    assert best[16]["speculative_config"]["num_speculative_tokens"] == 1
+    best = {row.concurrency: row for row in result.recommendation}
+    assert best[1].num_speculative_tokens == 3 and best[1].speedup == pytest.approx(2.0)
+    assert best[16].num_speculative_tokens == 1 and best[16].speedup == pytest.approx(2.0)
+    assert best[16].speculative_config["num_speculative_tokens"] == 1
     # The top level: held-out, the first draft length (3) and the first concurrency (16).
-    assert result["num_speculative_tokens"] == 3 and result["concurrency"] == 16
-    assert result["max_acceptance_length"] == 4
-    assert result["speedup"] == pytest.approx(1.0 / 1.5, abs=1e-3)
-    assert result["with_drafter"]["drafts"] == 4 and result["with_drafter"]["accepted_per_position"] == [3, 2, 1]
+    assert result.num_speculative_tokens == 3 and result.concurrency == 16
+    assert result.max_acceptance_length == 4
+    assert result.speedup == pytest.approx(1.0 / 1.5, abs=1e-3)
+    assert result.with_drafter.drafts == 4 and result.with_drafter.accepted_per_position == [3, 2, 1]
 
 
 def test_every_set_and_category_gets_a_row(tmp_path):
     baseline = job(None, {8: 1.0})
     result = summarize(settings(2, 8), baseline, {2: job(2, {8: 1.0}, histogram=[0, 1, 3])}, None)
-    rows = {(r["set"], r["category"]): r for r in result["results"]}
+    rows = {(r.set, r.category): r for r in result.results}
     assert set(rows) == {("heldout", "*"), ("code", "*"), ("code", "py"), ("code", "sql")}
-    assert rows[("code", "py")]["acceptance_length"] == pytest.approx(1 + 7 / 4)
-    assert rows[("code", "py")]["acceptance_per_position"] == [1.0, 0.75]
+    assert rows[("code", "py")].acceptance_length == pytest.approx(1 + 7 / 4)
+    assert rows[("code", "py")].acceptance_per_position == [1.0, 0.75]
     # A category's speed is per request: py's requests took 2 s, sql's 3 s, for 50 tokens each.
-    assert rows[("code", "py")]["request_tokens_per_s_with_drafter"] == 25.0
-    assert rows[("code", "sql")]["request_tokens_per_s_with_drafter"] == pytest.approx(16.67)
+    assert rows[("code", "py")].request_tokens_per_s_with_drafter == 25.0
+    assert rows[("code", "sql")].request_tokens_per_s_with_drafter == pytest.approx(16.67)
 
 
-def test_the_summary_writes_the_report_files_and_the_untrained_comparison(tmp_path):
-    for name, record in {
+def summary_outputs(tmp_path) -> dict:
+    outputs = {name: tmp_path / f"{name}.out" for name in ("acceptance", "spec_config", "tables")}
+    return outputs | {name: tmp_path / f"{name}.png" for name in ("acceptance_plot", "speedup_plot")}
+
+
+def summarized(tmp_path) -> dict:
+    """The summary stage's files, as it writes them, for two draft lengths at two
+    concurrencies, a two-category set and the untrained comparison."""
+    jobs = {
         "baseline": job(None, {8: 1.0, 1: 2.0}),
         "k2": job(2, {8: 0.8, 1: 1.5}, histogram=[0, 1, 3]),
         "k1": job(1, {8: 0.9, 1: 1.8}),
         "untrained": job(2, {8: 2.0, 1: 3.0}, histogram=[4, 0, 0]),
-    }.items():
-        (tmp_path / f"{name}.json").write_text(record.to_json())
-    outputs = {
-        "acceptance": tmp_path / "acceptance.json",
-        "spec_config": tmp_path / "spec.json",
-        "acceptance_plot": tmp_path / "acceptance.png",
-        "speedup_plot": tmp_path / "speedup.png",
-        "tables": tmp_path / "tables.html",
     }
+    for name, record in jobs.items():
+        (tmp_path / f"{name}.json").write_text(record.to_json())
+    outputs = summary_outputs(tmp_path)
+    drafters = [tmp_path / "k2.json", tmp_path / "k1.json"]
     run(
         settings([2, 1], [8, 1], untrained=True),
         tmp_path / "baseline.json",
-        [tmp_path / "k2.json", tmp_path / "k1.json"],
+        drafters,
         tmp_path / "untrained.json",
         outputs,
     )
-    result = json.loads(outputs["acceptance"].read_text())
-    assert result["untrained_acceptance_length"] == 1.0 and result["acceptance_length"] == pytest.approx(2.75)
+    return outputs
+
+
+def test_the_summary_writes_the_report_files_and_the_untrained_comparison(tmp_path):
+    outputs = summarized(tmp_path)
+    result = EvaluationSummary.read(outputs["acceptance"])
+    assert result.untrained_acceptance_length == 1.0 and result.acceptance_length == pytest.approx(2.75)
     assert json.loads(outputs["spec_config"].read_text())["num_speculative_tokens"] == 2
     assert outputs["acceptance_plot"].stat().st_size > 10_000 and outputs["speedup_plot"].stat().st_size > 10_000
     html = outputs["tables"].read_text()
     assert "What to serve per concurrency" in html and "<td>sql</td>" in html
+
+
+def test_the_summary_record_reads_back_the_file_it_wrote(tmp_path):
+    """The record is a typed view of acceptance.json: reading and writing again changes no byte."""
+    path = summarized(tmp_path)["acceptance"]
+    summary = EvaluationSummary.read(path)
+    assert summary.to_json() == path.read_text()
+    assert {type(row).__name__ for row in summary.results} == {"SetResult", "CategoryResult"}
+    assert summary.default_recommendation.concurrency == 8 and summary.default_recommendation.temperature == 0.0
+    # What only some runs have is left out, not written as null.
+    assert "mla_disabled_because" not in json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("where", ["top", "recommendation", "option"])
+def test_a_summary_missing_a_key_is_one_line_naming_the_file_and_the_fix(tmp_path, where):
+    path = summarized(tmp_path)["acceptance"]
+    values = json.loads(path.read_text())
+    if where == "top":
+        del values["recommendation"]
+    elif where == "recommendation":
+        del values["recommendation"][1]["serve"]
+    else:
+        del values["recommendation"][0]["options"]["target alone"]["spread"]
+    path.write_text(json.dumps(values))
+    with pytest.raises(RecordError) as error:
+        EvaluationSummary.read(path)
+    message = str(error.value)
+    assert "\n" not in message and str(path) in message
+    assert {"top": "'recommendation'", "recommendation": "recommendation[1] has no 'serve'"}.get(
+        where, "'spread'"
+    ) in message
+    assert message.endswith(
+        "rerun the evaluation's summary (snakemake --forcerun evaluate: it reads the measurements again)"
+    )
 
 
 def test_the_spread_is_two_standard_errors_of_the_requests_mean_speed():
@@ -229,18 +271,18 @@ def test_a_lead_within_the_spread_leaves_the_choice_to_acceptance(request_tokens
     baseline = measured_job(None, request_tokens, 2.0)
     drafters = {k: measured_job(k, request_tokens, seconds) for k, seconds in ((1, 1.0), (3, 1.05))}
     result = summarize(settings([3, 1], 8), baseline, drafters, None)
-    (row,) = result["recommendation"]
-    assert row["tokens_per_s_by_draft_length"] == {"1": 800.0, "3": pytest.approx(761.9)}
-    assert (row["num_speculative_tokens"], row["chosen_by"]) == (chosen, chosen_by)
-    assert row["within_noise"] == ([1, 3] if chosen_by == "tokens per step" else [1])
-    assert row["acceptance_length_by_draft_length"] == {"1": 2.0, "3": 4.0}
-    assert row["speculative_config"]["num_speculative_tokens"] == chosen
+    (row,) = result.recommendation
+    assert row.tokens_per_s_by_draft_length == {"1": 800.0, "3": pytest.approx(761.9)}
+    assert (row.num_speculative_tokens, row.chosen_by) == (chosen, chosen_by)
+    assert row.within_noise == ([1, 3] if chosen_by == "tokens per step" else [1])
+    assert row.acceptance_length_by_draft_length == {"1": 2.0, "3": 4.0}
+    assert row.speculative_config["num_speculative_tokens"] == chosen
     html = tables_html(result)
     if chosen_by == "tokens per step":
-        assert row["spread_by_draft_length"]["1"] == pytest.approx(800 * 0.2357, abs=0.5)
+        assert row.spread_by_draft_length["1"] == pytest.approx(800 * 0.2357, abs=0.5)
         assert "k=1, k=3 within noise: most tokens per step" in html and "800 ± 188" in html
     else:
-        assert row["spread_by_draft_length"] == {"1": 0.0, "3": 0.0} and "fastest beyond noise" in html
+        assert row.spread_by_draft_length == {"1": 0.0, "3": 0.0} and "fastest beyond noise" in html
 
 
 def write_jsonl(path, rows):
@@ -421,12 +463,11 @@ def test_a_drafter_slower_than_the_target_alone_is_not_served(tmp_path):
     drafters = {3: measured_job(3, steady, 1.45)}
     for name, record in {"baseline": baseline, "k3": drafters[3]}.items():
         (tmp_path / f"{name}.json").write_text(record.to_json())
-    outputs = {name: tmp_path / f"{name}.out" for name in ("acceptance", "spec_config", "tables")}
-    outputs |= {name: tmp_path / f"{name}.png" for name in ("acceptance_plot", "speedup_plot")}
+    outputs = summary_outputs(tmp_path)
     result = run(settings([3], 8), tmp_path / "baseline.json", [tmp_path / "k3.json"], None, outputs)
-    (row,) = result["recommendation"]
-    assert row["serve"] == "target alone" and row["serve_speedup"] == 1.0
-    assert row["speculative_config"] is None and row["speedup"] == pytest.approx(0.69, abs=0.01)
+    (row,) = result.recommendation
+    assert row.serve == "target alone" and row.serve_speedup == 1.0
+    assert row.speculative_config is None and row.speedup == pytest.approx(0.69, abs=0.01)
     assert json.loads(outputs["spec_config"].read_text()) is None
     assert "<td>target alone</td>" in outputs["tables"].read_text()
 
@@ -443,30 +484,30 @@ def test_n_gram_is_served_where_it_beats_the_drafter_and_compared_per_step(tmp_p
     drafter_job = Measurement("d", 3, [Phase("heldout", 8, {"temperature": 0.0}, 1.2, {"all": drafter})], {}, False)
     ngram = {3: free_job("ngram", 3, steady, 1.0, [0, 0, 0, 5]), 1: free_job("ngram", 1, steady, 1.5, [0, 5])}
     result = summarize(settings([3, 1], 8), baseline, {3: drafter_job}, None, {"ngram": ngram})
-    (row,) = result["recommendation"]
-    assert row["serve"] == "ngram k=3" and row["serve_chosen_by"] == "throughput"
-    assert row["speculative_config"] == {
+    (row,) = result.recommendation
+    assert row.serve == "ngram k=3" and row.serve_chosen_by == "throughput"
+    assert row.speculative_config == {
         "method": "ngram",
         "num_speculative_tokens": 3,
         "prompt_lookup_min": 2,
         "prompt_lookup_max": 4,
     }
-    options = row["options"]
+    options = row.options
     assert set(options) == {"target alone", "drafter k=3", "ngram k=3"}
-    assert options["ngram k=3"]["acceptance_length"] == 4.0
-    assert options["ngram k=3"]["tokens_per_step"] == pytest.approx(80 / 65, abs=1e-4)  # 15 accepted of 80
-    assert options["drafter k=3"]["tokens_per_step"] == pytest.approx(80 / 28, abs=1e-4)
-    assert options["ngram k=3"]["speedup"] == 2.0 and options["target alone"]["speedup"] == 1.0
-    ngram_rows = [r for r in result["results"] if r["method"] == "ngram"]
-    assert {r["num_speculative_tokens"] for r in ngram_rows} == {3, 1}
-    assert all("tokens_per_step" in r for r in result["results"])
+    assert options["ngram k=3"].acceptance_length == 4.0
+    assert options["ngram k=3"].tokens_per_step == pytest.approx(80 / 65, abs=1e-4)  # 15 accepted of 80
+    assert options["drafter k=3"].tokens_per_step == pytest.approx(80 / 28, abs=1e-4)
+    assert options["ngram k=3"].speedup == 2.0 and options["target alone"].speedup == 1.0
+    ngram_rows = [r for r in result.results if r.method == "ngram"]
+    assert {r.num_speculative_tokens for r in ngram_rows} == {3, 1}
+    assert all(r.tokens_per_step >= 1.0 for r in result.results)
     html = tables_html(result)
     assert "<td>ngram k=3</td>" in html and "<td>ngram</td>" in html
     # Slower n-gram: the drafter is served, and n-gram stays in the table as an option.
     slow = {3: free_job("ngram", 3, steady, 1.5, [0, 0, 0, 5]), 1: free_job("ngram", 1, steady, 1.6, [0, 5])}
-    (row,) = summarize(settings([3, 1], 8), baseline, {3: drafter_job}, None, {"ngram": slow})["recommendation"]
-    assert row["serve"] == "drafter k=3" and row["speculative_config"]["method"] == "eagle3"
-    assert row["speculative_config"] == row["drafter_speculative_config"]
+    (row,) = summarize(settings([3, 1], 8), baseline, {3: drafter_job}, None, {"ngram": slow}).recommendation
+    assert row.serve == "drafter k=3" and row.speculative_config["method"] == "eagle3"
+    assert row.speculative_config == row.drafter_speculative_config
 
 
 def test_a_tie_with_the_target_alone_goes_to_the_most_tokens_per_step():
@@ -475,9 +516,9 @@ def test_a_tie_with_the_target_alone_goes_to_the_most_tokens_per_step():
     noisy = [40, 60, 80, 100, 120] * 2
     baseline = measured_job(None, noisy, 1.0)
     drafters = {3: measured_job(3, noisy, 1.05)}
-    (row,) = summarize(settings([3], 8), baseline, drafters, None)["recommendation"]
-    assert row["serve"] == "drafter k=3" and row["serve_chosen_by"] == "tokens per step"
-    assert row["serve_within_noise"] == ["target alone", "drafter k=3"]
+    (row,) = summarize(settings([3], 8), baseline, drafters, None).recommendation
+    assert row.serve == "drafter k=3" and row.serve_chosen_by == "tokens per step"
+    assert row.serve_within_noise == ["target alone", "drafter k=3"]
 
 
 def kind_job(kind: str, k: int, seconds: float, histogram: list[int]) -> Measurement:
@@ -505,22 +546,22 @@ def test_other_kinds_are_options_beside_eagle3_and_served_with_their_own_method(
         for k, record in by_length.items():
             (tmp_path / f"{name}_k{k}.json").write_text(record.to_json())
     kinds = by_method_and_length([Measurement.read(path) for path in sorted(tmp_path.glob("*_k*.json"))])
-    (row,) = summarize(settings([3, 1], 8), baseline, eagle3, None, None, kinds)["recommendation"]
-    assert set(row["options"]) == {"target alone", "drafter k=3", "peagle k=3", "dflash k=3"}
-    assert row["serve"] == "peagle k=3" and row["serve_chosen_by"] == "throughput"
-    assert row["speculative_config"] == {
+    (row,) = summarize(settings([3, 1], 8), baseline, eagle3, None, None, kinds).recommendation
+    assert set(row.options) == {"target alone", "drafter k=3", "peagle k=3", "dflash k=3"}
+    assert row.serve == "peagle k=3" and row.serve_chosen_by == "throughput"
+    assert row.speculative_config == {
         "model": "/run/drafter_peagle",
         "method": "eagle3",
         "parallel_drafting": True,
         "num_speculative_tokens": 3,
     }
-    assert row["drafter_speculative_config"]["method"] == "eagle3"  # EAGLE-3's own best length
-    rows = summarize(settings([3, 1], 8), baseline, eagle3, None, None, kinds)["results"]
-    assert {(r["method"], r["num_speculative_tokens"]) for r in rows} >= {("peagle", 3), ("peagle", 1), ("dflash", 1)}
+    assert row.drafter_speculative_config["method"] == "eagle3"  # EAGLE-3's own best length
+    rows = summarize(settings([3, 1], 8), baseline, eagle3, None, None, kinds).results
+    assert {(r.method, r.num_speculative_tokens) for r in rows} >= {("peagle", 3), ("peagle", 1), ("dflash", 1)}
     # Within noise of each other both are candidates, EAGLE-3 first (it breaks an exact tie).
     close = {"peagle": {3: kind_job("peagle", 3, 1.2, [0, 0, 0, 20])}}
-    (row,) = summarize(settings([3], 8), baseline, eagle3, None, None, close)["recommendation"]
-    assert row["serve_within_noise"][-2:] == ["drafter k=3", "peagle k=3"]
+    (row,) = summarize(settings([3], 8), baseline, eagle3, None, None, close).recommendation
+    assert row.serve_within_noise[-2:] == ["drafter k=3", "peagle k=3"]
 
 
 def per_position_page(drafts: int, accepted_by_position: list[int]) -> str:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,12 +23,11 @@ from conftest import VLLM_ENV, server_settings
 from datasets import Dataset
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from draftsmith import capture_server, extract, layout, train
-from draftsmith.capture_server import serving_dtype
-from draftsmith.demo_model import deepseek_config
-from draftsmith.disk_budget import RowSplit
+from draftsmith.demo_model import model_config
+from draftsmith.disk_budget import RowSplit, StoredRowFormat
 from draftsmith.extract import ExtractionError, check_settings, shard_range
 from draftsmith.layers import resolve_layers
 from draftsmith.layout import hidden_state_file
@@ -49,8 +47,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def build_tiny_target(path: Path, architecture: str = "llama") -> None:
-    """Random 5-layer target: a Llama (hidden 128, 2 heads of head_dim 64; 16 fails on vLLM
-    CPU), or the demo's DeepSeek-V3 (MLA at the real latent geometry, 4+1 experts)."""
+    """Random 5-layer target: the demo's Llama (hidden 128, 2 heads of head_dim 64; 16 fails on
+    vLLM CPU) or DeepSeek-V3 (MLA at the real latent geometry, 4+1 experts), on a word-level
+    tokenizer of its own."""
     words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(VOCAB - 3)]
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -59,23 +58,8 @@ def build_tiny_target(path: Path, architecture: str = "llama") -> None:
     )
     hf_tokenizer.save_pretrained(path)
     torch.manual_seed(0)
-    if architecture == "deepseek_v3":
-        config = deepseek_config(hf_tokenizer)
-        config.num_hidden_layers = NUM_LAYERS
-    else:
-        config = LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=128,
-            intermediate_size=256,
-            num_hidden_layers=NUM_LAYERS,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            head_dim=64,
-            max_position_embeddings=512,
-            bos_token_id=1,
-            eos_token_id=2,
-            tie_word_embeddings=False,
-        )
+    config = model_config(hf_tokenizer, architecture)
+    config.num_hidden_layers = NUM_LAYERS
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # larger weights than the 0.02 init: layers differ clearly
         for param in model.parameters():
@@ -133,24 +117,18 @@ def settings_for(model: Path, tensor_parallel_size: int = 1) -> dict:
 
 
 def run_cli(settings: dict, dataset: Path, work: Path) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable,
-        "-m",
-        "draftsmith.extract",
-        "--settings",
-        json.dumps(settings),
-        "--dataset",
-        str(dataset),
-        "--shard",
-        "0",
-        "--num-shards",
-        "1",
-        "--staging",
-        str(work / "staging"),
-        "--output",
-        str(work / "out"),
-    ]
+    command = extract.shard_command(json.dumps(settings), dataset, work / "staging", work / "out")
     return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=600)
+
+
+def test_the_shard_command_is_the_one_the_stage_parses(monkeypatch, tmp_path: Path) -> None:
+    ran = []
+    monkeypatch.setattr(extract, "read_settings", lambda value, stage: value)
+    monkeypatch.setattr(extract, "run", lambda *args: ran.append(args))
+    command = extract.shard_command('{"x": 1}', tmp_path / "d", tmp_path / "s", tmp_path / "o", 2, 3)
+    assert command[1:3] == ["-m", "draftsmith.extract"]
+    extract.main(command[3:])
+    assert ran[0][:6] == ('{"x": 1}', tmp_path / "d", 2, 3, tmp_path / "s", tmp_path / "o")
 
 
 def hf_states(model_path: Path, token_ids: list[int], dtype=torch.float32) -> list[torch.Tensor]:
@@ -321,13 +299,6 @@ def test_shards_are_contiguous_and_cover_everything() -> None:
         shard_range(11, 3, 3)
 
 
-def test_serving_dtype() -> None:
-    assert serving_dtype(torch.bfloat16, []) == torch.bfloat16
-    assert serving_dtype(torch.float32, []) == torch.bfloat16  # as vLLM's auto
-    assert serving_dtype(torch.bfloat16, ["--dtype", "float16"]) == torch.float16
-    assert serving_dtype(torch.float16, ["--dtype=auto"]) == torch.float16
-
-
 def test_settings_fail_fast(tiny_model: Path, dataset_dir: Path) -> None:
     rows = extract.load_shard(dataset_dir, 0, 1)
     settings = settings_for(tiny_model, tensor_parallel_size=2)
@@ -363,7 +334,7 @@ def test_the_connector_named_to_vllm_is_ours() -> None:
     assert capture_server.CONNECTOR_NAME == hidden_states_connector.CONNECTOR_NAME
     assert capture_server.FP8_CONNECTOR_NAME == hidden_states_connector.FP8_CONNECTOR_NAME
     for fp8, name in ((False, capture_server.CONNECTOR_NAME), (True, capture_server.FP8_CONNECTOR_NAME)):
-        shape = capture_server.SampleShape(3, 64, torch.bfloat16, fp8)
+        shape = capture_server.SampleShape(StoredRowFormat(3, 64, "bfloat16", fp8))
         args = capture_server.extraction_server_args(resolve_layers([0, 2, 5], 6), Path("/s"), shape)
         transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
         assert transfer["kv_connector"] == name and getattr(hidden_states_connector, name)

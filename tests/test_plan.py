@@ -1,5 +1,6 @@
 """The cost plan for the production example prints on a CPU machine from config.json alone."""
 
+import dataclasses
 import json
 import re
 import shutil
@@ -12,12 +13,13 @@ import yaml
 from snakemake.utils import validate
 
 from draftsmith import plan as plan_module
-from draftsmith.disk_budget import parse_budget, row_bytes
+from draftsmith.disk_budget import StoredRowFormat, parse_budget
 from draftsmith.plan import format_plan, plan_for
 from draftsmith.run_config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 KIMI_TEXT_CONFIG = {"num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 163840, "num_attention_heads": 64}
+KIMI_ROW = StoredRowFormat(4, 7168, "bfloat16")  # its 4 stored layers, served in bf16
 
 
 def kimi_settings(tmp_path, wrapped=False):
@@ -126,7 +128,7 @@ def test_kimi_at_600k_questions_plans_offline_a_budget_that_fits_and_online(tmp_
     online = modes["online"]
     assert online["stored_bytes"] == 0 and online["capture_passes"] == rows * epochs and online["model_loads"] == 1
     # Captured files in flight: one per dataloader worker (4) of each of the 8 trainers.
-    assert online["peak_disk_bytes"] == 8 * 4 * row_bytes(8192, 4, 7168)
+    assert online["peak_disk_bytes"] == 8 * 4 * KIMI_ROW.row_bytes(8192)
     table = format_plan(plan)
     suggested = re.search(r'set hidden_states.disk_budget: "([^"]+)"', table).group(1)
     assert parse_budget(suggested) <= free * plan_module.FREE_DISK_SHARE
@@ -135,7 +137,7 @@ def test_kimi_at_600k_questions_plans_offline_a_budget_that_fits_and_online(tmp_
 @pytest.mark.parametrize("stored_dtype", ["served", "fp8"])
 def test_a_configured_budget_is_planned_beside_offline_and_online(tmp_path, stored_dtype):
     settings = kimi_settings(tmp_path)
-    each = row_bytes(8192, 4, 7168, fp8=stored_dtype == "fp8")
+    each = dataclasses.replace(KIMI_ROW, fp8=stored_dtype == "fp8").row_bytes(8192)
     settings["hidden_states"] |= {"disk_budget": 1000 * each, "stored_dtype": stored_dtype}
     modes = modes_by_name(plan_for(RunConfig.from_dict(settings), tmp_path / "results"))
     assert modes["budget (configured)"]["rows_stored"] == 1000

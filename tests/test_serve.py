@@ -1,13 +1,16 @@
 """The serve command: the target with the trained drafter, served as the evaluation served it."""
 
+import dataclasses
 import json
 
 import pytest
+import test_evaluation
 import yaml
 from snakemake.utils import validate
 from test_serving import TINY_MLA
 
 from draftsmith import serve
+from draftsmith.evaluation_summary import summarize
 from draftsmith.layout import Layout
 from draftsmith.run_config import RunConfig
 from draftsmith.server import VLLM_SERVER_MODULE
@@ -28,6 +31,18 @@ def finished_run(tmp_path, target_config: dict) -> Layout:
     drafter = {"model": str(published_drafter(tmp_path)), "method": "eagle3", "num_speculative_tokens": 3}
     results.speculative_config.write_text(json.dumps(drafter))
     return results
+
+
+def write_summary(results: Layout, drafter: dict) -> None:
+    """An evaluation summary as the stage writes it, whose drafter at the default concurrency,
+    greedy, is ``drafter`` (sampled at T=0.7, another)."""
+    baseline, drafter_job = test_evaluation.job(None, {8: 1.0}), test_evaluation.job(1, {8: 0.8})
+    summary = summarize(test_evaluation.settings(1, 8), baseline, {1: drafter_job}, None)
+    (greedy,) = summary.recommendation
+    sampled = dataclasses.replace(greedy, temperature=0.7, drafter_speculative_config={"model": "elsewhere"})
+    rows = [sampled, dataclasses.replace(greedy, drafter_speculative_config=drafter)]
+    results.acceptance.parent.mkdir(parents=True)
+    dataclasses.replace(summary, recommendation=rows).write(results.acceptance)
 
 
 def published_drafter(tmp_path):
@@ -84,9 +99,7 @@ def test_the_target_alone_is_served_when_it_measured_fastest_and_the_drafter_on_
     results = finished_run(tmp_path, {"num_hidden_layers": 6, "hidden_size": 128, "vocab_size": 230})
     results.speculative_config.write_text("null\n")
     drafter = {"model": str(published_drafter(tmp_path)), "method": "eagle3", "num_speculative_tokens": 1}
-    rows = [{"temperature": t, "concurrency": 8, "drafter_speculative_config": drafter} for t in (0.7, 0.0)]
-    results.acceptance.parent.mkdir(parents=True)
-    results.acceptance.write_text(json.dumps({"concurrency": 8, "recommendation": rows}))
+    write_summary(results, drafter)
     run_config = RunConfig.from_dict(json.loads(results.run_config.read_text()))
     assert serve.speculative_config(results, None) is None
     argv, _ = serve.server_command(run_config, None, "127.0.0.1", 8000, [])

@@ -13,7 +13,7 @@ from conftest import copy_workflow
 from snakemake.utils import validate
 
 from draftsmith import settings
-from draftsmith.disk_budget import served_value_bytes
+from draftsmith.disk_budget import served_dtype
 from draftsmith.run_config import RunConfig
 from draftsmith.settings import (
     CONSUMERS,
@@ -196,7 +196,8 @@ def test_every_stage_that_sizes_the_stored_rows_sees_the_disk_budget(rule):
         assert "hidden_states" not in view
     else:
         assert RunConfig.from_dict(view).hidden_states.limited_budget == 10**6
-        assert served_value_bytes(RunConfig.from_dict(view)) == 4  # and the bytes of a value
+        requested = RunConfig.from_dict(view).server.requested_dtype
+        assert served_dtype(None, requested) == "float32"  # and the dtype that sizes a value
 
 
 def test_a_named_prompt_limit_keeps_the_questions_when_the_answers_get_shorter_or_the_context_longer():

@@ -19,7 +19,7 @@ from transformers import AutoConfig
 
 from draftsmith import speculators_cpu, train
 from draftsmith.demo_model import build_demo_model
-from draftsmith.disk_budget import dataset_row_tokens, row_bytes
+from draftsmith.disk_budget import StoredRowFormat, dataset_row_tokens
 from draftsmith.layers import resolve_layers
 from draftsmith.layout import TrainPaths
 from draftsmith.records import RowIds, TrainingMetrics
@@ -183,8 +183,8 @@ def test_missing_hidden_states_fail_fast_naming_the_row(target, dataset, hidden_
 
 def budget_for(target: Path, dataset: Path, rows: int) -> int:
     """The disk budget that stores exactly the first ``rows`` rows of ``dataset``."""
-    hidden_size = AutoConfig.from_pretrained(target).hidden_size
-    return sum(row_bytes(n, len(LAYERS), hidden_size) for n in dataset_row_tokens(dataset)[:rows])
+    row = StoredRowFormat(len(LAYERS), AutoConfig.from_pretrained(target).hidden_size, "bfloat16")
+    return sum(row.row_bytes(n) for n in dataset_row_tokens(dataset)[:rows])
 
 
 def test_under_a_disk_budget_only_the_stored_rows_need_files(target, dataset, hidden_states, tmp_path):

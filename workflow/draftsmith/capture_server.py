@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.disk_budget import StoredRowFormat
 from draftsmith.layers import LayerPlan, resolve_layers
-from draftsmith.run_config import RunConfig, flag_value
+from draftsmith.run_config import RunConfig
 from draftsmith.shard_gate import check_sample
 from draftsmith.target import TargetShape, read_target_shape
 
@@ -32,33 +33,22 @@ FP8_CONNECTOR_NAME = "CpuSafeFP8HiddenStatesConnector"  # hidden_states.stored_d
 
 @dataclass(frozen=True)
 class SampleShape:
-    """What every file of this target must look like (see ``shard_gate.check_sample``)."""
+    """What every file of this target must look like (see ``shard_gate.check_sample``): the
+    stored row format that also sizes the disk budget, with its dtypes as torch's."""
 
-    num_layers_stored: int
-    hidden_size: int
-    dtype: torch.dtype  # the dtype the target is served in
-    fp8: bool = False  # files hold fp8 states with per-token scales (hidden_states.stored_dtype)
+    row: StoredRowFormat
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the target is served in."""
+        return getattr(torch, self.row.value_dtype)
 
     @property
     def stored_dtype(self) -> torch.dtype:
-        return torch.float8_e4m3fn if self.fp8 else self.dtype
+        return getattr(torch, self.row.stored_dtype)
 
     def check(self, path: Path, token_ids: Sequence[int]) -> None:
-        check_sample(path, token_ids, self.num_layers_stored, self.hidden_size, self.stored_dtype)
-
-
-def serving_dtype(config_dtype: torch.dtype | None, extra_args: Sequence[str]) -> torch.dtype:
-    """The dtype vLLM will run (and store hidden states) in; it is passed as ``--dtype``.
-
-    A ``--dtype`` in ``server.extra_args`` wins; otherwise the checkpoint's dtype,
-    with float32 served as bfloat16 like vLLM's own ``auto`` does.
-    """
-    requested = flag_value(extra_args, "--dtype")
-    if requested and requested != "auto":
-        return getattr(torch, {"half": "float16", "float": "float32"}.get(requested, requested))
-    if config_dtype in (None, torch.float32):
-        return torch.bfloat16
-    return config_dtype
+        check_sample(path, token_ids, self.row.num_layers, self.row.hidden_size, self.stored_dtype)
 
 
 def target_shape(settings: RunConfig) -> tuple[LayerPlan, SampleShape]:
@@ -70,9 +60,8 @@ def target_shape(settings: RunConfig) -> tuple[LayerPlan, SampleShape]:
 
 def sample_shape(settings: RunConfig, target: TargetShape, plan: LayerPlan) -> SampleShape:
     """What each stored or captured file holds, for a target and layers already read."""
-    checkpoint_dtype = getattr(torch, target.dtype) if target.dtype else None
-    dtype = serving_dtype(checkpoint_dtype, settings.server.extra_args)
-    return SampleShape(len(plan.vllm_ids), target.hidden_size, dtype, settings.hidden_states.fp8)
+    requested = settings.server.requested_dtype
+    return SampleShape(StoredRowFormat.of(target, len(plan.vllm_ids), requested, settings.hidden_states.fp8))
 
 
 def extraction_server_args(plan: LayerPlan, storage_dir: Path, shape: SampleShape) -> list[str]:
@@ -83,7 +72,7 @@ def extraction_server_args(plan: LayerPlan, storage_dir: Path, shape: SampleShap
         "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": plan.vllm_ids}},
     }
     kv_transfer = {
-        "kv_connector": FP8_CONNECTOR_NAME if shape.fp8 else CONNECTOR_NAME,
+        "kv_connector": FP8_CONNECTOR_NAME if shape.row.fp8 else CONNECTOR_NAME,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)},
@@ -98,5 +87,5 @@ def extraction_server_args(plan: LayerPlan, storage_dir: Path, shape: SampleShap
         "--kv-transfer-config",
         json.dumps(kv_transfer),
         "--dtype",
-        str(shape.dtype).removeprefix("torch."),
+        shape.row.value_dtype,
     ]

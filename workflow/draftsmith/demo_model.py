@@ -32,6 +32,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -70,20 +71,29 @@ def model_config(tokenizer: PreTrainedTokenizerFast, architecture: str = "llama"
     if architecture == "deepseek_v3":
         return deepseek_config(tokenizer)
     return LlamaConfig(
-        vocab_size=len(tokenizer),
         hidden_size=128,
         intermediate_size=384,
-        num_hidden_layers=6,
         num_attention_heads=2,
         num_key_value_heads=2,
         head_dim=64,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-5,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **shared_config(tokenizer),
     )
+
+
+def shared_config(tokenizer: PreTrainedTokenizerFast) -> dict[str, Any]:
+    """What both architectures share: six layers (the demo configs' ``layers: [1, 2, 4, 5]``
+    end at the last), the tokenizer's vocabulary and special tokens, the context and untied
+    embeddings."""
+    return {
+        "num_hidden_layers": 6,
+        "vocab_size": len(tokenizer),
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-5,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
 
 
 def deepseek_config(tokenizer: PreTrainedTokenizerFast) -> DeepseekV3Config:
@@ -91,11 +101,9 @@ def deepseek_config(tokenizer: PreTrainedTokenizerFast) -> DeepseekV3Config:
     # topk_method, scoring_func and rope_scaling are not in the class's typed signature;
     # transformers keeps them as attributes, and vLLM reads them from config.json.
     return DeepseekV3Config(  # type: ignore[call-arg]
-        vocab_size=len(tokenizer),
         hidden_size=256,
         intermediate_size=512,
         moe_intermediate_size=256,
-        num_hidden_layers=6,
         num_attention_heads=4,
         num_key_value_heads=4,
         n_routed_experts=4,
@@ -113,13 +121,8 @@ def deepseek_config(tokenizer: PreTrainedTokenizerFast) -> DeepseekV3Config:
         qk_rope_head_dim=64,
         qk_nope_head_dim=64,
         v_head_dim=64,
-        max_position_embeddings=512,
         rope_scaling=None,
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-5,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **shared_config(tokenizer),
     )
 
 

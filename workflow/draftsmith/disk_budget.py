@@ -11,9 +11,13 @@ the trainer reaches it (speculators' own online path), in every epoch. So:
 
 A stored row costs its tokens x (stored layers x hidden size x 2 B of bf16 states, 4 B
 where the target is served in fp32, + 8 B of token id) plus the safetensors header:
-``row_bytes``, within a few hundred bytes of the file vLLM writes. With
+``StoredRowFormat.row_bytes``, within a few hundred bytes of the file vLLM writes. With
 ``hidden_states.stored_dtype: fp8`` a value takes 1 B and each token adds its 4 B float32
 scale (hs_connectors' per-token fp8 format).
+
+``StoredRowFormat`` is the one place that decides what a value is stored in: the budget,
+the plan and the shard gate (``capture_server.SampleShape``) all read it, and it imports no
+torch, so planning and budgeting stay light.
 """
 
 from __future__ import annotations
@@ -22,18 +26,16 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.records import CapturedRows
-
-if TYPE_CHECKING:  # run_config reads budgets with this module
-    from draftsmith.run_config import RunConfig
+from draftsmith.target import TargetShape
 
 ALL = "all"
-BYTES_PER_VALUE = 2  # bf16, as vLLM writes the hidden states
-FP32_BYTES_PER_VALUE = 4  # where the target is served in fp32 (--dtype float32, as on a CPU without bf16)
-FP32_NAMES = ("float32", "float")
+# Bytes of a value in each dtype vLLM serves (and writes the hidden states in), by torch's name.
+VALUE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's --dtype spellings
+FP8_DTYPE = "float8_e4m3fn"  # hidden_states.stored_dtype: fp8
 FP8_BYTES_PER_VALUE = 1
 FP8_SCALE_BYTES = 4  # one float32 scale per token
 TOKEN_ID_BYTES = 8  # int64 token ids beside the states
@@ -69,45 +71,67 @@ def parse_budget(value: int | str) -> int | None:
     return int(float(match.group(1)) * UNITS[unit])
 
 
-def served_value_bytes(settings: RunConfig) -> int:
-    """Bytes of one stored value: vLLM writes the hidden states in the dtype it serves, which
-    is fp32 only where ``server.extra_args`` asks for it (it serves an fp32 checkpoint in
-    bf16 otherwise: capture_server.serving_dtype)."""
-    return FP32_BYTES_PER_VALUE if settings.server.requested_dtype in FP32_NAMES else BYTES_PER_VALUE
+def served_dtype(checkpoint_dtype: str | None, requested: str | None) -> str:
+    """The dtype vLLM serves the target in, and so writes its hidden states in: a ``--dtype``
+    in ``server.extra_args`` (``requested``) wins; otherwise the checkpoint's, with float32
+    served as bfloat16 like vLLM's own ``auto`` does."""
+    if requested and requested != "auto":
+        return DTYPE_ALIASES.get(requested, requested)
+    if checkpoint_dtype in (None, "float32"):
+        return "bfloat16"
+    return checkpoint_dtype
 
 
-def state_bytes_per_token(
-    stored_layers: int, hidden_size: int, fp8: bool = False, value_bytes: int = BYTES_PER_VALUE
-) -> int:
-    """The hidden states of one token as stored: served values, or fp8 values and their scale."""
-    if fp8:
-        return stored_layers * hidden_size * FP8_BYTES_PER_VALUE + FP8_SCALE_BYTES
-    return stored_layers * hidden_size * value_bytes
+@dataclass(frozen=True)
+class StoredRowFormat:
+    """What a stored (or captured) row holds per token: the states of ``num_layers`` layers of
+    ``hidden_size`` values each, in the served dtype or in fp8 with a scale per token."""
+
+    num_layers: int
+    hidden_size: int
+    value_dtype: str  # the served dtype, by torch's name ("bfloat16"): served_dtype
+    fp8: bool = False
+
+    def __post_init__(self) -> None:
+        if self.value_dtype not in VALUE_BYTES:
+            raise DiskBudgetError(
+                f"the target would be served in {self.value_dtype}, which hidden states are not stored in; "
+                f"serve it in one of {', '.join(VALUE_BYTES)} (--dtype in server.extra_args)"
+            )
+
+    @classmethod
+    def of(cls, target: TargetShape, num_layers: int, requested_dtype: str | None, fp8: bool) -> StoredRowFormat:
+        """The rows of ``target`` served as ``server.extra_args`` ask (``requested_dtype``)."""
+        return cls(num_layers, target.hidden_size, served_dtype(target.dtype, requested_dtype), fp8)
+
+    @property
+    def stored_dtype(self) -> str:
+        return FP8_DTYPE if self.fp8 else self.value_dtype
+
+    @property
+    def value_bytes(self) -> int:
+        return FP8_BYTES_PER_VALUE if self.fp8 else VALUE_BYTES[self.value_dtype]
+
+    @property
+    def state_bytes_per_token(self) -> int:
+        """The hidden states of one token as stored: its values, and with fp8 their scale."""
+        scale = FP8_SCALE_BYTES if self.fp8 else 0
+        return self.num_layers * self.hidden_size * self.value_bytes + scale
+
+    def row_bytes(self, tokens: int) -> int:
+        header = FP8_HEADER_BYTES if self.fp8 else HEADER_BYTES
+        return tokens * (self.state_bytes_per_token + TOKEN_ID_BYTES) + header
 
 
-def row_bytes(
-    tokens: int, stored_layers: int, hidden_size: int, fp8: bool = False, value_bytes: int = BYTES_PER_VALUE
-) -> int:
-    header = FP8_HEADER_BYTES if fp8 else HEADER_BYTES
-    return tokens * (state_bytes_per_token(stored_layers, hidden_size, fp8, value_bytes) + TOKEN_ID_BYTES) + header
-
-
-def stored_rows(
-    row_tokens: Sequence[int],
-    budget: int | None,
-    stored_layers: int,
-    hidden_size: int,
-    fp8: bool = False,
-    value_bytes: int = BYTES_PER_VALUE,
-) -> int:
+def stored_rows(row_tokens: Sequence[int], budget: int | None, row: StoredRowFormat) -> int:
     """How many leading rows fit the budget (all of them for None)."""
     if budget is None:
         return len(row_tokens)
     used = 0
-    for row, tokens in enumerate(row_tokens):
-        used += row_bytes(tokens, stored_layers, hidden_size, fp8, value_bytes)
+    for index, tokens in enumerate(row_tokens):
+        used += row.row_bytes(tokens)
         if used > budget:
-            return row
+            return index
     return len(row_tokens)
 
 
@@ -141,16 +165,9 @@ class RowSplit:
         return f"{self.stored} of {self.rows} rows stored, {self.captured} captured on demand ({self.mode})"
 
 
-def row_split(
-    dataset: Path,
-    budget: int | None,
-    stored_layers: int,
-    hidden_size: int,
-    fp8: bool = False,
-    value_bytes: int = BYTES_PER_VALUE,
-) -> RowSplit:
+def row_split(dataset: Path, budget: int | None, row: StoredRowFormat) -> RowSplit:
     tokens = dataset_row_tokens(dataset)
-    stored = stored_rows(tokens, budget, stored_layers, hidden_size, fp8, value_bytes)
+    stored = stored_rows(tokens, budget, row)
     captured = CapturedRows.read(dataset)
     if budget is not None and captured is not None:
         # One pass: the budget stores what generation captured (rows past it stay online),

@@ -1,5 +1,5 @@
 """The evaluation drawn for people: its plots and tables, from what ``evaluation_summary``
-computes (acceptance.json's ``results`` and ``recommendation``), for the report."""
+computes (``records.EvaluationSummary``: acceptance.json), for the report."""
 
 from __future__ import annotations
 
@@ -14,58 +14,63 @@ matplotlib.use("Agg")  # files only, on machines without a display
 import matplotlib.pyplot as plt  # noqa: E402
 
 from draftsmith.drafter_kinds import FREE_METHODS  # noqa: E402
-from draftsmith.evaluation_sets import WHOLE_SET  # noqa: E402
+from draftsmith.records import (  # noqa: E402
+    WHOLE_SET,
+    CategoryResult,
+    EvaluationSummary,
+    Recommendation,
+    ResultRow,
+    SetResult,
+)
 from draftsmith.report import save_figure  # noqa: E402
 
 
-def choice_text(row: dict[str, Any]) -> str:
+def choice_text(row: Recommendation) -> str:
     """How the drafter's draft length was chosen, in words."""
-    if row["chosen_by"] == "throughput":
+    if row.chosen_by == "throughput":
         return "fastest beyond noise"
-    others = ", ".join(f"k={k}" for k in row["within_noise"])
+    others = ", ".join(f"k={k}" for k in row.within_noise)
     return f"{others} within noise: most tokens per step"
 
 
-def serve_text(row: dict[str, Any]) -> str:
+def serve_text(row: Recommendation) -> str:
     """How what to serve was chosen, in words."""
-    if row["serve_chosen_by"] == "throughput":
+    if row.serve_chosen_by == "throughput":
         return "fastest beyond noise"
-    return f"{', '.join(row['serve_within_noise'])} within noise: most tokens per step"
+    return f"{', '.join(row.serve_within_noise)} within noise: most tokens per step"
 
 
-def is_drafter_row(row: dict[str, Any]) -> bool:
-    return row["method"] not in FREE_METHODS
+def is_drafter_row(row: ResultRow) -> bool:
+    return row.method not in FREE_METHODS
 
 
 def sampling_name(value: float) -> str:
     return "greedy" if value == 0 else f"T={value:g}"
 
 
-def plot_acceptance(result: dict[str, Any], path: Path) -> None:
+def plot_acceptance(result: EvaluationSummary, path: Path) -> None:
     """Left: the held-out set per position, trained vs untrained. Right: every set and category
     per position at the longest draft length."""
-    drafter_rows = [row for row in result["results"] if is_drafter_row(row)]
-    longest = max(row["num_speculative_tokens"] for row in drafter_rows)
-    rows = [
-        r for r in drafter_rows if r["num_speculative_tokens"] == longest and r["concurrency"] == result["concurrency"]
-    ]
-    kinds = len({r["method"] for r in rows}) > 1  # several kinds of drafter: name each row's
+    drafter_rows = [row for row in result.results if is_drafter_row(row)]
+    longest = max(row.num_speculative_tokens for row in drafter_rows)
+    rows = [r for r in drafter_rows if r.num_speculative_tokens == longest and r.concurrency == result.concurrency]
+    kinds = len({r.method for r in rows}) > 1  # several kinds of drafter: name each row's
     labels = [
-        ("" if not kinds else f"{r['method']} · ")
-        + f"{r['set']}{'' if r['category'] == WHOLE_SET else ' / ' + r['category']} · {sampling_name(r['temperature'])}"
-        f"  (AL {r['acceptance_length']:.2f})"
+        ("" if not kinds else f"{r.method} · ")
+        + f"{r.set}{'' if r.category == WHOLE_SET else ' / ' + r.category} · {sampling_name(r.temperature)}"
+        f"  (AL {r.acceptance_length:.2f})"
         for r in rows
     ]
-    grid = [r["acceptance_per_position"] for r in rows]
+    grid = [r.acceptance_per_position for r in rows]
     figure, (left, right) = plt.subplots(
         1, 2, figsize=(13, max(4, 0.4 * len(rows) + 1.5)), gridspec_kw={"width_ratios": [1, 1.4]}
     )
-    positions = range(1, len(result["acceptance_per_position"]) + 1)
-    left.bar([p - 0.2 for p in positions], result["acceptance_per_position"], width=0.4, label="trained drafter")
-    if "untrained_acceptance_per_position" in result:
+    positions = range(1, len(result.acceptance_per_position) + 1)
+    left.bar([p - 0.2 for p in positions], result.acceptance_per_position, width=0.4, label="trained drafter")
+    if result.untrained_acceptance_per_position is not None:
         left.bar(
             [p + 0.2 for p in positions],
-            result["untrained_acceptance_per_position"],
+            result.untrained_acceptance_per_position,
             width=0.4,
             label="untrained drafter",
         )
@@ -73,8 +78,8 @@ def plot_acceptance(result: dict[str, Any], path: Path) -> None:
         xlabel="draft position",
         ylabel="acceptance rate",
         ylim=(0, 1.05),
-        title=f"held-out, k={result['num_speculative_tokens']}: acceptance length "
-        f"{result['acceptance_length']:.2f} of {result['max_acceptance_length']}",
+        title=f"held-out, k={result.num_speculative_tokens}: acceptance length "
+        f"{result.acceptance_length:.2f} of {result.max_acceptance_length}",
     )
     left.set_xticks(list(positions))
     left.legend()
@@ -89,40 +94,38 @@ def plot_acceptance(result: dict[str, Any], path: Path) -> None:
     save_figure(figure, path)
 
 
-def plot_speedup(result: dict[str, Any], path: Path) -> None:
+def plot_speedup(result: EvaluationSummary, path: Path) -> None:
     """Throughput over all sets against concurrency: speedup per draft length (and of each free
     method at its best draft length), and tokens/s."""
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    temperatures = sorted({r["temperature"] for r in result["recommendation"]})
-    lengths = sorted({int(k) for r in result["recommendation"] for k in r["tokens_per_s_by_draft_length"]})
-    methods = sorted({name.split(" k=")[0] for r in result["recommendation"] for name in r["options"]})
+    temperatures = sorted({r.temperature for r in result.recommendation})
+    lengths = sorted({int(k) for r in result.recommendation for k in r.tokens_per_s_by_draft_length})
+    methods = sorted({name.split(" k=")[0] for r in result.recommendation for name in r.options})
     methods = [method for method in methods if method not in ("target alone", "drafter")]
     for t_index, value in enumerate(temperatures):
-        rows = sorted(
-            (r for r in result["recommendation"] if r["temperature"] == value), key=lambda r: r["concurrency"]
-        )
-        x = [r["concurrency"] for r in rows]
+        rows = sorted((r for r in result.recommendation if r.temperature == value), key=lambda r: r.concurrency)
+        x = [r.concurrency for r in rows]
         style = "-o" if t_index == 0 else "--s"
         for index, k in enumerate(lengths):
-            speeds = [r["tokens_per_s_by_draft_length"][str(k)] for r in rows]
-            spreads = [r.get("spread_by_draft_length", {}).get(str(k), 0.0) for r in rows]
+            speeds = [r.tokens_per_s_by_draft_length[str(k)] for r in rows]
+            spreads = [r.spread_by_draft_length.get(str(k), 0.0) for r in rows]
             name = f"k={k} {sampling_name(value)}"
             left.plot(
                 x,
-                [s / r["tokens_per_s_without_drafter"] for s, r in zip(speeds, rows, strict=True)],
+                [s / r.tokens_per_s_without_drafter for s, r in zip(speeds, rows, strict=True)],
                 style,
                 color=f"C{index}",
                 label=name,
             )
             right.errorbar(x, speeds, yerr=spreads, fmt=style, color=f"C{index}", capsize=3, label=name)
         for index, method in enumerate(methods, start=len(lengths)):
-            options = [next(o for n, o in r["options"].items() if n.startswith(f"{method} k=")) for r in rows]
+            options = [next(o for n, o in r.options.items() if n.startswith(f"{method} k=")) for r in rows]
             name = f"{method} (best k) {sampling_name(value)}"
-            left.plot(x, [o["speedup"] for o in options], style, color=f"C{index}", label=name)
+            left.plot(x, [o.speedup for o in options], style, color=f"C{index}", label=name)
             right.errorbar(
                 x,
-                [o["tokens_per_s"] for o in options],
-                yerr=[o["spread"] for o in options],
+                [o.tokens_per_s for o in options],
+                yerr=[o.spread for o in options],
                 fmt=style,
                 color=f"C{index}",
                 capsize=3,
@@ -130,15 +133,15 @@ def plot_speedup(result: dict[str, Any], path: Path) -> None:
             )
         right.errorbar(
             x,
-            [r["tokens_per_s_without_drafter"] for r in rows],
-            yerr=[r.get("tokens_per_s_without_drafter_spread", 0.0) for r in rows],
+            [r.tokens_per_s_without_drafter for r in rows],
+            yerr=[r.tokens_per_s_without_drafter_spread for r in rows],
             fmt=style,
             color="black",
             capsize=3,
             label=f"target alone {sampling_name(value)}",
         )
     left.axhline(1.0, color="grey", linewidth=0.8)
-    measured = sorted({r["concurrency"] for r in result["recommendation"]})
+    measured = sorted({r.concurrency for r in result.recommendation})
     for axis in (left, right):
         axis.set_xscale("log", base=2)
         axis.set_xticks(measured, [str(c) for c in measured])
@@ -150,54 +153,54 @@ def plot_speedup(result: dict[str, Any], path: Path) -> None:
     save_figure(figure, path)
 
 
-def tables_html(result: dict[str, Any]) -> str:
+def tables_html(result: EvaluationSummary) -> str:
     """The recommendation and the per-set results, for the report."""
     recommendation = [
         [
-            r["concurrency"],
-            sampling_name(r["temperature"]),
-            r["serve"],
+            r.concurrency,
+            sampling_name(r.temperature),
+            r.serve,
             serve_text(r),
             " · ".join(
-                f"{name}: {_plus_minus(o['tokens_per_s'], o['spread'])}, {o['tokens_per_step']:.2f} tok/step"
-                for name, o in r["options"].items()
+                f"{name}: {_plus_minus(o.tokens_per_s, o.spread)}, {o.tokens_per_step:.2f} tok/step"
+                for name, o in r.options.items()
             ),
-            r["num_speculative_tokens"],
+            r.num_speculative_tokens,
             choice_text(r),
-            f"{r['speedup']:.2f}×" if r["speedup"] is not None else "",
-            _plus_minus(r["tokens_per_s_with_drafter"], r["tokens_per_s_with_drafter_spread"]),
-            _plus_minus(r["tokens_per_s_without_drafter"], r["tokens_per_s_without_drafter_spread"]),
+            _times(r.speedup),
+            _plus_minus(r.tokens_per_s_with_drafter, r.tokens_per_s_with_drafter_spread),
+            _plus_minus(r.tokens_per_s_without_drafter, r.tokens_per_s_without_drafter_spread),
             " · ".join(
-                f"k={k}: {_plus_minus(speed, r['spread_by_draft_length'][k])}, "
-                f"AL {r['acceptance_length_by_draft_length'][k]:.2f}"
-                for k, speed in r["tokens_per_s_by_draft_length"].items()
+                f"k={k}: {_plus_minus(speed, r.spread_by_draft_length[k])}, "
+                f"AL {r.acceptance_length_by_draft_length[k]:.2f}"
+                for k, speed in r.tokens_per_s_by_draft_length.items()
             ),
-            json.dumps(r["speculative_config"]),
+            json.dumps(r.speculative_config),
         ]
-        for r in result["recommendation"]
+        for r in result.recommendation
     ]
     results = [
         [
-            r["set"],
-            r["category"],
-            r["method"],
-            r["num_speculative_tokens"],
-            r["concurrency"],
-            sampling_name(r["temperature"]),
-            r["requests"],
-            f"{r['acceptance_length']:.2f}",
-            f"{r['tokens_per_step']:.2f}",
-            " / ".join(f"{a:.2f}" for a in r["acceptance_per_position"]),
+            r.set,
+            r.category,
+            r.method,
+            r.num_speculative_tokens,
+            r.concurrency,
+            sampling_name(r.temperature),
+            r.requests,
+            f"{r.acceptance_length:.2f}",
+            f"{r.tokens_per_step:.2f}",
+            " / ".join(f"{a:.2f}" for a in r.acceptance_per_position),
             _row_speed(r),
-            f"{r['speedup']:.2f}×" if r["speedup"] is not None else "",
+            _times(r.speedup),
         ]
-        for r in result["results"]
+        for r in result.results
     ]
     return (
         "<html><head><meta charset='utf-8'><style>table{border-collapse:collapse;font:13px sans-serif}"
         "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}</style></head><body>"
         "<h3>What to serve per concurrency (best measured throughput, all sets together)</h3>"
-        f"<p>drafter_speculative_config.json holds the choice at concurrency {result['concurrency']}, greedy "
+        f"<p>drafter_speculative_config.json holds the choice at concurrency {result.concurrency}, greedy "
         "(null: the target alone). The options are the target alone, the drafter (EAGLE-3) at its best draft "
         "length, and each free method and each other kind of drafter at its best. A speedup below 1× means "
         "the target alone is faster there. "
@@ -248,11 +251,15 @@ def _plus_minus(value: float, spread: float) -> str:
     return f"{value:g} ± {spread:g}"
 
 
-def _row_speed(row: dict[str, Any]) -> str:
+def _times(speedup: float | None) -> str:
+    return f"{speedup:.2f}×" if speedup is not None else ""
+
+
+def _row_speed(row: SetResult | CategoryResult) -> str:
     """A set's throughput, or a category's per-request speed, with its spread."""
-    if "tokens_per_s_with_drafter" in row:
-        return _plus_minus(row["tokens_per_s_with_drafter"], row["tokens_per_s_with_drafter_spread"])
-    return _plus_minus(row["request_tokens_per_s_with_drafter"], row["request_tokens_per_s_with_drafter_spread"])
+    if isinstance(row, SetResult):
+        return _plus_minus(row.tokens_per_s_with_drafter, row.tokens_per_s_with_drafter_spread)
+    return _plus_minus(row.request_tokens_per_s_with_drafter, row.request_tokens_per_s_with_drafter_spread)
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:

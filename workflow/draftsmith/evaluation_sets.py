@@ -32,7 +32,6 @@ from draftsmith.run_config import EvaluationSetSettings, RunConfig
 
 HELDOUT = "heldout"
 NO_CATEGORY = "all"
-WHOLE_SET = "*"  # the category of a result row that covers its whole set
 SetCounts = dict[str, Any]  # rows read, duplicates, dropped by reason; then prompts, by category
 
 

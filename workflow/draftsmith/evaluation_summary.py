@@ -3,9 +3,10 @@
 Reads the baseline job, one job per draft length, and one per free method and draft length
 (``evaluate.py``) and writes:
 
-- ``acceptance.json``: at its top level, as before, the held-out set at the default draft
-  length and concurrency, greedy; beside that, ``results`` (every method, set, category,
-  draft length, concurrency and sampling) and ``recommendation``;
+- ``acceptance.json`` (``records.EvaluationSummary``, the type every reader reads it as): at
+  its top level, as before, the held-out set at the default draft length and concurrency,
+  greedy; beside that, ``results`` (every method, set, category, draft length, concurrency
+  and sampling) and ``recommendation``;
 - the recommendation, for each concurrency and sampling, over all sets together. First
   each method's draft length: the one with the best measured throughput. Each throughput
   carries its spread (``evaluate.relative_spread``); when other draft lengths come within
@@ -54,9 +55,20 @@ from draftsmith.evaluation_report import (
     serve_text,
     tables_html,
 )
-from draftsmith.evaluation_sets import HELDOUT, NO_CATEGORY, WHOLE_SET
+from draftsmith.evaluation_sets import HELDOUT, NO_CATEGORY
 from draftsmith.progress import log
-from draftsmith.records import Measurement, Phase, Tally
+from draftsmith.records import (
+    WHOLE_SET,
+    CategoryResult,
+    DefaultCounts,
+    EvaluationSummary,
+    Measurement,
+    Phase,
+    Recommendation,
+    ServingOption,
+    SetResult,
+    Tally,
+)
 from draftsmith.run_config import RunConfig
 
 
@@ -100,18 +112,18 @@ def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 3) if b else None
 
 
-def result_rows(drafter: Measurement, baseline: Measurement) -> list[dict[str, Any]]:
+def result_rows(drafter: Measurement, baseline: Measurement) -> list[SetResult | CategoryResult]:
     """One row per set (category ``*``) and per category of a set that has several, for
     every phase of one drafter (or free method) job, against the baseline's same phase."""
     k = drafter_length(drafter)
     alone = {_key(phase): phase for phase in baseline.phases}
-    rows = []
+    rows: list[SetResult | CategoryResult] = []
     for phase in drafter.phases:
         base = alone[_key(phase)]
         tallies, base_tallies = phase.categories, base.categories
         whole, base_whole = merged(tallies.values()), merged(base_tallies.values())
-        common = {
-            "method": drafter.name,
+        common: dict[str, Any] = {
+            "method": str(drafter.name),
             "num_speculative_tokens": k,
             "concurrency": phase.concurrency,
             "temperature": phase.temperature,
@@ -120,29 +132,22 @@ def result_rows(drafter: Measurement, baseline: Measurement) -> list[dict[str, A
         with_drafter = _speed(whole.completion_tokens, phase.seconds)
         without = _speed(base_whole.completion_tokens, base.seconds)
         rows.append(
-            {
+            SetResult(
                 **common,
-                "category": WHOLE_SET,
+                category=WHOLE_SET,
                 **_acceptance(whole, k),
-                "tokens_per_s_with_drafter": with_drafter,
-                "tokens_per_s_with_drafter_spread": _spread(whole, with_drafter),
-                "tokens_per_s_without_drafter": without,
-                "tokens_per_s_without_drafter_spread": _spread(base_whole, without),
-                "speedup": _ratio(with_drafter, without),
-                "with_drafter_seconds": round(phase.seconds, 3),
-                "without_drafter_seconds": round(base.seconds, 3),
-            }
+                tokens_per_s_with_drafter=with_drafter,
+                tokens_per_s_with_drafter_spread=_spread(whole, with_drafter),
+                tokens_per_s_without_drafter=without,
+                tokens_per_s_without_drafter_spread=_spread(base_whole, without),
+                speedup=_ratio(with_drafter, without),
+                with_drafter_seconds=round(phase.seconds, 3),
+                without_drafter_seconds=round(base.seconds, 3),
+            )
         )
         if set(tallies) != {NO_CATEGORY}:
             for category, tally in tallies.items():
-                rows.append(
-                    {
-                        **common,
-                        "category": category,
-                        **_acceptance(tally, k),
-                        **_request_speeds(tally, base_tallies.get(category)),
-                    }
-                )
+                rows.append(_category_row(common, category, tally, base_tallies.get(category), k))
     return rows
 
 
@@ -156,17 +161,20 @@ def _acceptance(tally: Tally, k: int) -> dict[str, Any]:
     }
 
 
-def _request_speeds(tally: Tally, base: Tally | None) -> dict[str, Any]:
+def _category_row(common: dict[str, Any], category: str, tally: Tally, base: Tally | None, k: int) -> CategoryResult:
     """A category's speed per request (it shares its set's wall time with the others)."""
     with_drafter = _speed(tally.completion_tokens, tally.request_seconds)
     without = _speed(base.completion_tokens, base.request_seconds) if base else 0.0
-    return {
-        "request_tokens_per_s_with_drafter": with_drafter,
-        "request_tokens_per_s_with_drafter_spread": _spread(tally, with_drafter),
-        "request_tokens_per_s_without_drafter": without,
-        "request_tokens_per_s_without_drafter_spread": _spread(base, without) if base else 0.0,
-        "speedup": _ratio(with_drafter, without),
-    }
+    return CategoryResult(
+        **common,
+        category=category,
+        **_acceptance(tally, k),
+        request_tokens_per_s_with_drafter=with_drafter,
+        request_tokens_per_s_with_drafter_spread=_spread(tally, with_drafter),
+        request_tokens_per_s_without_drafter=without,
+        request_tokens_per_s_without_drafter_spread=_spread(base, without) if base else 0.0,
+        speedup=_ratio(with_drafter, without),
+    )
 
 
 @dataclass(frozen=True)
@@ -182,14 +190,14 @@ class Pooled:
         """The two throughputs differ by less than the spread of their difference."""
         return abs(self.tokens_per_s - other.tokens_per_s) <= math.hypot(self.spread, other.spread)
 
-    def as_dict(self, alone: Pooled) -> dict[str, Any]:
-        return {
-            "tokens_per_s": self.tokens_per_s,
-            "spread": self.spread,
-            "acceptance_length": self.acceptance_length,
-            "tokens_per_step": self.tokens_per_step,
-            "speedup": _ratio(self.tokens_per_s, alone.tokens_per_s),
-        }
+    def option(self, alone: Pooled) -> ServingOption:
+        return ServingOption(
+            tokens_per_s=self.tokens_per_s,
+            spread=self.spread,
+            acceptance_length=self.acceptance_length,
+            tokens_per_step=self.tokens_per_step,
+            speedup=_ratio(self.tokens_per_s, alone.tokens_per_s),
+        )
 
 
 def pooled(job: Measurement) -> dict[tuple[float, int], Pooled]:
@@ -224,7 +232,7 @@ def recommend(
     baseline: Measurement,
     free_methods: dict[str, dict[int, Measurement]] | None = None,
     kinds: dict[str, dict[int, Measurement]] | None = None,
-) -> list[dict[str, Any]]:
+) -> list[Recommendation]:
     """For each (sampling, concurrency): the drafter's best draft length, each free method's
     and each other kind of drafter's, and of those and the target alone, what to serve
     (module docstring)."""
@@ -257,29 +265,29 @@ def recommend(
         simplest = [TARGET_ALONE, *free_options, f"drafter k={best}", *list(options)[2 + len(free_options) :]]
         served, served_tied = choose(options, simplest)
         rows.append(
-            {
-                "temperature": key[0],
-                "concurrency": key[1],
-                "num_speculative_tokens": best,
-                "chosen_by": "throughput" if len(tied) == 1 else "tokens per step",
-                "within_noise": tied,
-                "tokens_per_s_with_drafter": at[best].tokens_per_s,
-                "tokens_per_s_with_drafter_spread": at[best].spread,
-                "tokens_per_s_without_drafter": alone[key].tokens_per_s,
-                "tokens_per_s_without_drafter_spread": alone[key].spread,
-                "speedup": _ratio(at[best].tokens_per_s, alone[key].tokens_per_s),
-                "tokens_per_s_by_draft_length": {str(k): at[k].tokens_per_s for k in at},
-                "spread_by_draft_length": {str(k): at[k].spread for k in at},
-                "acceptance_length_by_draft_length": {str(k): at[k].acceptance_length for k in at},
-                "tokens_per_step_by_draft_length": {str(k): at[k].tokens_per_step for k in at},
-                "drafter_speculative_config": configs[f"drafter k={best}"],
-                "options": {name: option.as_dict(alone[key]) for name, option in options.items()},
-                "serve": served,
-                "serve_chosen_by": "throughput" if len(served_tied) == 1 else "tokens per step",
-                "serve_within_noise": served_tied,
-                "serve_speedup": _ratio(options[served].tokens_per_s, alone[key].tokens_per_s),
-                "speculative_config": configs.get(served),
-            }
+            Recommendation(
+                temperature=key[0],
+                concurrency=key[1],
+                num_speculative_tokens=best,
+                chosen_by="throughput" if len(tied) == 1 else "tokens per step",
+                within_noise=tied,
+                tokens_per_s_with_drafter=at[best].tokens_per_s,
+                tokens_per_s_with_drafter_spread=at[best].spread,
+                tokens_per_s_without_drafter=alone[key].tokens_per_s,
+                tokens_per_s_without_drafter_spread=alone[key].spread,
+                speedup=_ratio(at[best].tokens_per_s, alone[key].tokens_per_s),
+                tokens_per_s_by_draft_length={str(k): at[k].tokens_per_s for k in at},
+                spread_by_draft_length={str(k): at[k].spread for k in at},
+                acceptance_length_by_draft_length={str(k): at[k].acceptance_length for k in at},
+                tokens_per_step_by_draft_length={str(k): at[k].tokens_per_step for k in at},
+                drafter_speculative_config=configs[f"drafter k={best}"],
+                options={name: option.option(alone[key]) for name, option in options.items()},
+                serve=served,
+                serve_chosen_by="throughput" if len(served_tied) == 1 else "tokens per step",
+                serve_within_noise=served_tied,
+                serve_speedup=_ratio(options[served].tokens_per_s, alone[key].tokens_per_s),
+                speculative_config=configs.get(served),
+            )
         )
     return rows
 
@@ -290,52 +298,58 @@ def _default_measurement(job: Measurement, concurrency: int) -> tuple[Phase, Tal
 
 
 def headline(
-    drafter: Measurement, baseline: Measurement, untrained: Measurement | None, k: int, concurrency: int
-) -> dict[str, Any]:
-    """acceptance.json's top level, the numbers read first: held-out, the default draft length
-    and concurrency, greedy."""
+    drafter: Measurement,
+    baseline: Measurement,
+    untrained: Measurement | None,
+    k: int,
+    concurrency: int,
+    results: list[SetResult | CategoryResult],
+    recommendation: list[Recommendation],
+) -> EvaluationSummary:
+    """The summary, with at its top level the numbers read first: held-out, the default draft
+    length and concurrency, greedy."""
     phase, tally = _default_measurement(drafter, concurrency)
     base_phase, base = _default_measurement(baseline, concurrency)
     with_speed, without_speed = (
         _speed(tally.completion_tokens, phase.seconds),
         _speed(base.completion_tokens, base_phase.seconds),
     )
-    result = {
-        "acceptance_length": round(acceptance_length(tally), 4),
-        "max_acceptance_length": k + 1,
-        "acceptance_per_position": per_position(tally, k),
-        "tokens_per_s_with_drafter": with_speed,
-        "tokens_per_s_with_drafter_spread": _spread(tally, with_speed),
-        "tokens_per_s_without_drafter": without_speed,
-        "tokens_per_s_without_drafter_spread": _spread(base, without_speed),
-        "speedup": _ratio(with_speed, without_speed),
-        "num_speculative_tokens": k,
-        "concurrency": concurrency,
-        "with_drafter": _measurement(tally, phase.seconds, k),
-        "without_drafter": _measurement(base, base_phase.seconds, 0),
-    }
-    if untrained is not None:
-        _, untrained_tally = _default_measurement(untrained, concurrency)
-        result["untrained_acceptance_length"] = round(acceptance_length(untrained_tally), 4)
-        result["untrained_acceptance_per_position"] = per_position(untrained_tally, k)
-    result["mla_disabled"] = drafter.mla_disabled
-    if drafter.mla_disabled:
-        result["mla_disabled_because"] = drafter.mla_disabled_because
-    return result
+    untrained_tally = _default_measurement(untrained, concurrency)[1] if untrained else None
+    return EvaluationSummary(
+        acceptance_length=round(acceptance_length(tally), 4),
+        max_acceptance_length=k + 1,
+        acceptance_per_position=per_position(tally, k),
+        tokens_per_s_with_drafter=with_speed,
+        tokens_per_s_with_drafter_spread=_spread(tally, with_speed),
+        tokens_per_s_without_drafter=without_speed,
+        tokens_per_s_without_drafter_spread=_spread(base, without_speed),
+        speedup=_ratio(with_speed, without_speed),
+        num_speculative_tokens=k,
+        concurrency=concurrency,
+        with_drafter=_counts(tally, phase.seconds, k),
+        without_drafter=_counts(base, base_phase.seconds, 0),
+        untrained_acceptance_length=round(acceptance_length(untrained_tally), 4)
+        if untrained_tally is not None
+        else None,
+        untrained_acceptance_per_position=per_position(untrained_tally, k) if untrained_tally is not None else None,
+        mla_disabled=drafter.mla_disabled,
+        mla_disabled_because=drafter.mla_disabled_because if drafter.mla_disabled else None,
+        results=results,
+        recommendation=recommendation,
+    )
 
 
-def _measurement(tally: Tally, seconds: float, k: int) -> dict[str, Any]:
-    steps = sum(tally.histogram)
-    return {
-        "requests": tally.requests,
-        "completion_tokens": tally.completion_tokens,
-        "seconds": round(seconds, 3),
-        "drafts": steps,
-        "draft_tokens": tally.draft_tokens,
-        "accepted_tokens": accepted_tokens(tally),
-        "accepted_per_position": accepted_at_positions(tally, k),
-        "tokens_per_step": tokens_per_step(tally),
-    }
+def _counts(tally: Tally, seconds: float, k: int) -> DefaultCounts:
+    return DefaultCounts(
+        requests=tally.requests,
+        completion_tokens=tally.completion_tokens,
+        seconds=round(seconds, 3),
+        drafts=sum(tally.histogram),
+        draft_tokens=tally.draft_tokens,
+        accepted_tokens=accepted_tokens(tally),
+        accepted_per_position=accepted_at_positions(tally, k),
+        tokens_per_step=tokens_per_step(tally),
+    )
 
 
 # --- the stage -----------------------------------------------------------------------------
@@ -348,16 +362,15 @@ def summarize(
     untrained: Measurement | None,
     free_methods: dict[str, dict[int, Measurement]] | None = None,
     kinds: dict[str, dict[int, Measurement]] | None = None,
-) -> dict[str, Any]:
+) -> EvaluationSummary:
     k, concurrency = settings.evaluation.draft_lengths[0], settings.evaluation.concurrencies[0]
     free_methods, kinds = free_methods or {}, kinds or {}
-    result = headline(drafters[k], baseline, untrained, k, concurrency)
     jobs = [drafters[length] for length in sorted(drafters)]
     for others in (free_methods, kinds):
         jobs += [others[name][length] for name in sorted(others) for length in sorted(others[name])]
-    result["results"] = [row for job in jobs for row in result_rows(job, baseline)]
-    result["recommendation"] = recommend(drafters, baseline, free_methods, kinds)
-    return result
+    results = [row for job in jobs for row in result_rows(job, baseline)]
+    recommendation = recommend(drafters, baseline, free_methods, kinds)
+    return headline(drafters[k], baseline, untrained, k, concurrency, results, recommendation)
 
 
 def by_method_and_length(jobs: list[Measurement]) -> dict[str, dict[int, Measurement]]:
@@ -375,30 +388,27 @@ def run(
     outputs: dict[str, Path],
     free_method_jobs: list[Path] | None = None,
     kind_jobs: list[Path] | None = None,
-) -> dict[str, Any]:
+) -> EvaluationSummary:
     drafters = {drafter_length(job): job for job in map(Measurement.read, drafter_jobs)}
     untrained_job = Measurement.read(untrained) if untrained else None
     free_methods = by_method_and_length([Measurement.read(job) for job in free_method_jobs or []])
     kinds = by_method_and_length([Measurement.read(job) for job in kind_jobs or []])
     result = summarize(settings, Measurement.read(baseline), drafters, untrained_job, free_methods, kinds)
-    chosen = next(
-        r for r in result["recommendation"] if r["temperature"] == 0.0 and r["concurrency"] == result["concurrency"]
-    )
     plot_acceptance(result, outputs["acceptance_plot"])
     plot_speedup(result, outputs["speedup_plot"])
     atomic_write_text(outputs["tables"], tables_html(result))
-    atomic_write_text(outputs["spec_config"], json.dumps(chosen["speculative_config"]) + "\n")
-    atomic_write_text(outputs["acceptance"], json.dumps(result, indent=2) + "\n")
+    atomic_write_text(outputs["spec_config"], json.dumps(result.default_recommendation.speculative_config) + "\n")
+    result.write(outputs["acceptance"])
     log(
-        f"held-out, k={result['num_speculative_tokens']}: acceptance length {result['acceptance_length']} "
-        f"(per position {result['acceptance_per_position']})"
+        f"held-out, k={result.num_speculative_tokens}: acceptance length {result.acceptance_length} "
+        f"(per position {result.acceptance_per_position})"
     )
-    for row in result["recommendation"]:
-        drafter = f"drafter k={row['num_speculative_tokens']}"
+    for row in result.recommendation:
+        drafter = f"drafter k={row.num_speculative_tokens}"
         log(
-            f"concurrency {row['concurrency']}, {sampling_name(row['temperature'])}: serve {row['serve']} "
-            f"({row['serve_speedup']}× the target alone; {serve_text(row)})"
-            + ("" if row["serve"] == drafter else f"; the {drafter}: {row['speedup']}× ({choice_text(row)})")
+            f"concurrency {row.concurrency}, {sampling_name(row.temperature)}: serve {row.serve} "
+            f"({row.serve_speedup}× the target alone; {serve_text(row)})"
+            + ("" if row.serve == drafter else f"; the {drafter}: {row.speedup}× ({choice_text(row)})")
         )
     return result
 

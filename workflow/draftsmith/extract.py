@@ -33,6 +33,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -288,8 +289,8 @@ def manifest(
         config_layers=list(plan.config_layers),
         vllm_layer_ids=plan.vllm_ids,
         num_layers=plan.num_layers,
-        hidden_size=shape.hidden_size,
-        dtype=str(shape.stored_dtype).removeprefix("torch."),
+        hidden_size=shape.row.hidden_size,
+        dtype=shape.row.stored_dtype,
         num_tokens=sum(len(rows[row]) for row in rows),
         bytes=sum(hidden_state_file(staging, row).stat().st_size for row in rows),
         stored_rows=stored,
@@ -342,19 +343,12 @@ def run(
     stage = extraction_stage(settings)
     stage.begin(granted_gpus, staging)
     plan, shape = target_shape(settings)
-    split = row_split(
-        dataset_dir,
-        settings.hidden_states.limited_budget,
-        shape.num_layers_stored,
-        shape.hidden_size,
-        shape.fp8,
-        value_bytes=shape.dtype.itemsize,
-    )
+    split = row_split(dataset_dir, settings.hidden_states.limited_budget, shape.row)
     rows = load_shard(dataset_dir, shard, num_shards, split.stored)
     check_settings(settings, rows)
     log(
         f"shard {shard}/{num_shards}: rows {rows.rows.start}..{rows.rows.stop - 1} ({split.describe()}), "
-        f"vLLM layer ids {plan.vllm_ids}, hidden {shape.hidden_size}, stored as {shape.stored_dtype}"
+        f"vLLM layer ids {plan.vllm_ids}, hidden {shape.row.hidden_size}, stored as {shape.row.stored_dtype}"
     )
     _recover_interrupted_publish(publishing_dir(output), staging)
     drop_rows_past_the_budget(staging, split.stored)
@@ -372,7 +366,7 @@ def run(
             result.failures = asyncio.run(extract_rows(stage, endpoint, rows, todo, staging, shape))
     kept = "Staged rows are kept; rerun to retry only the missing ones"
     stage.check_failures(result.failures, len(rows), kept)
-    check_shard(staging, rows, shape.num_layers_stored, shape.hidden_size, shape.stored_dtype)
+    check_shard(staging, rows, shape.row.num_layers, shape.row.hidden_size, shape.stored_dtype)
     items = fingerprint_of(stage.items)
     info = manifest(rows, plan, shape, staging, items, split.stored)
     if outcomes is not None:
@@ -381,6 +375,16 @@ def run(
     shutil.rmtree(storage)
     log(f"published {len(rows)} samples to {output}")
     return result
+
+
+def shard_command(
+    settings: str, dataset: Path, staging: Path, output: Path, shard: int = 0, num_shards: int = 1
+) -> list[str]:
+    """This stage's command line for one shard, as the extract rule runs it; for runs by hand
+    (the tests', the resume bench's). ``settings``: as ``--settings`` takes it."""
+    flags = {"--settings": settings, "--dataset": dataset, "--shard": shard, "--num-shards": num_shards}
+    flags |= {"--staging": staging, "--output": output}
+    return [sys.executable, "-m", "draftsmith.extract", *(str(part) for flag in flags.items() for part in flag)]
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
-from draftsmith.disk_budget import row_bytes, served_value_bytes, state_bytes_per_token
+from draftsmith.disk_budget import StoredRowFormat
 from draftsmith.errors import DraftsmithError
 from draftsmith.layout import Layout
 from draftsmith.progress import log
@@ -113,17 +113,14 @@ def plan_for(settings: RunConfig, results: Path) -> dict[str, Any]:
         per_row = min(seq_length, ASSUMED_PROMPT_TOKENS + settings.generation.max_tokens)
         tokens_basis = "upper bound"
     training_tokens = int(per_row * train)
-    layers, hidden = len(settings.layers), target.hidden_size
-    fp8, value_bytes = settings.hidden_states.fp8, served_value_bytes(settings)
-    hidden_bytes = training_tokens * state_bytes_per_token(layers, hidden, fp8, value_bytes)
+    row = StoredRowFormat.of(target, len(settings.layers), settings.server.requested_dtype, settings.hidden_states.fp8)
+    hidden_bytes = training_tokens * row.state_bytes_per_token
     layout = Layout(results)
     done = _done(layout)
     written_bytes = sum(p.stat().st_size for p in layout.hidden_state_files())
     external = settings.generation.endpoint is not None
     free_disk = shutil.disk_usage(existing_parent(results)).free
-    modes = storage_modes(
-        settings, train, row_bytes(round(per_row), layers, hidden, fp8, value_bytes), free_disk + written_bytes
-    )
+    modes = storage_modes(settings, train, row.row_bytes(round(per_row)), free_disk + written_bytes)
     plan = {
         "questions_train": train,
         "questions_heldout": heldout,
@@ -132,10 +129,10 @@ def plan_for(settings: RunConfig, results: Path) -> dict[str, Any]:
         "completion_tokens": completion_tokens,
         "training_tokens": training_tokens,
         "tokens_basis": tokens_basis,
-        "stored_layers": layers,
-        "hidden_size": hidden,
-        "stored_dtype": "fp8" if fp8 else "served",
-        "bytes_per_value": 1 if fp8 else value_bytes,
+        "stored_layers": row.num_layers,
+        "hidden_size": row.hidden_size,
+        "stored_dtype": "fp8" if row.fp8 else "served",
+        "bytes_per_value": row.value_bytes,
         "hidden_state_bytes": hidden_bytes,
         "hidden_state_bytes_to_write": max(hidden_bytes - written_bytes, 0),
         "free_disk_bytes": free_disk,

@@ -8,6 +8,8 @@
   report's training curves and the bench.
 - ``Measurement``: one evaluation job (``eval/baseline.json``, ``eval/drafter_k<k>.json``):
   its ``Phase``s, each with a ``Tally`` per prompt category, read by the evaluation summary.
+- ``EvaluationSummary``: what the evaluation found and recommends (``eval/acceptance.json``),
+  written by the evaluation summary, read by its report, the serve command and the bench.
 
 A record reads back what its writer wrote (``from_json(to_json(r)) == r``); a file from
 before a field existed reads with that field's default, so finished runs stay readable.
@@ -18,11 +20,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
 from draftsmith.atomic import atomic_write_text
+from draftsmith.errors import DraftsmithError
 from draftsmith.layout import CAPTURED_ROWS, ROW_IDS, SHARD_MANIFEST, TRAINING_METRICS
 
 
@@ -232,3 +235,212 @@ class Measurement(_Record):
     @classmethod
     def read(cls, path: Path) -> Measurement:
         return cls.from_json(path.read_text())
+
+
+# --- eval/acceptance.json ------------------------------------------------------------------
+
+WHOLE_SET = "*"  # the category of a result row that covers its whole set
+RERUN_SUMMARY = "rerun the evaluation's summary (snakemake --forcerun evaluate: it reads the measurements again)"
+
+
+class RecordError(DraftsmithError):
+    pass
+
+
+def _checked(cls: type, values: Any, where: str) -> dict[str, Any]:
+    """``values`` as the keyword arguments of the dataclass ``cls``, or which key is off."""
+    if not isinstance(values, dict):
+        raise RecordError(f"{where} is not an object")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    missing = [n for n, f in known.items() if f.default is MISSING and f.default_factory is MISSING and n not in values]
+    if missing:
+        raise RecordError(f"{where} has no {', '.join(map(repr, missing))}")
+    if unknown := sorted(set(values) - set(known)):
+        raise RecordError(f"{where} has unknown keys {', '.join(map(repr, unknown))}")
+    return values
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResultRow:
+    """One job's measurement of one set (``SetResult``) or one category of a set
+    (``CategoryResult``), at one concurrency and sampling."""
+
+    method: str  # the kind of drafter, or the free method (Measurement.name)
+    num_speculative_tokens: int
+    concurrency: int
+    temperature: float
+    set: str
+    category: str  # WHOLE_SET for the whole set
+    requests: int
+    completion_tokens: int
+    acceptance_length: float
+    acceptance_per_position: list[float]
+    tokens_per_step: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class SetResult(ResultRow):
+    """A whole set: its throughput (tokens over the phase's wall time) against the target alone's."""
+
+    tokens_per_s_with_drafter: float
+    tokens_per_s_with_drafter_spread: float
+    tokens_per_s_without_drafter: float
+    tokens_per_s_without_drafter_spread: float
+    speedup: float | None
+    with_drafter_seconds: float
+    without_drafter_seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class CategoryResult(ResultRow):
+    """A category, which shares its set's wall time: its speed per request."""
+
+    request_tokens_per_s_with_drafter: float
+    request_tokens_per_s_with_drafter_spread: float
+    request_tokens_per_s_without_drafter: float
+    request_tokens_per_s_without_drafter_spread: float
+    speedup: float | None
+
+
+def result_row(values: Any, where: str) -> SetResult | CategoryResult:
+    kind = SetResult if isinstance(values, dict) and values.get("category") == WHOLE_SET else CategoryResult
+    return kind(**_checked(kind, values, where))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServingOption:
+    """One way to serve at one concurrency and sampling, all sets together."""
+
+    tokens_per_s: float
+    spread: float  # ± tokens per second
+    acceptance_length: float
+    tokens_per_step: float
+    speedup: float | None  # over the target alone
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recommendation:
+    """At one concurrency and sampling: the drafter's draft length, and what to serve."""
+
+    temperature: float
+    concurrency: int
+    num_speculative_tokens: int  # the drafter's best
+    chosen_by: str  # "throughput", or "tokens per step" among those within noise
+    within_noise: list[int]
+    tokens_per_s_with_drafter: float
+    tokens_per_s_with_drafter_spread: float
+    tokens_per_s_without_drafter: float
+    # Files from before throughputs had a spread read with none.
+    tokens_per_s_without_drafter_spread: float = 0.0
+    speedup: float | None
+    # Per draft length (JSON keys: strings)
+    tokens_per_s_by_draft_length: dict[str, float]
+    spread_by_draft_length: dict[str, float] = field(default_factory=dict)
+    acceptance_length_by_draft_length: dict[str, float]
+    tokens_per_step_by_draft_length: dict[str, float]
+    drafter_speculative_config: dict[str, Any]
+    options: dict[str, ServingOption]  # "target alone", "drafter k=3", "ngram k=2", ...
+    serve: str  # the name of the option to serve
+    serve_chosen_by: str
+    serve_within_noise: list[str]
+    serve_speedup: float | None
+    speculative_config: dict[str, Any] | None  # vLLM's, for what to serve; None: the target alone
+
+    @classmethod
+    def from_dict(cls, values: Any, where: str) -> Recommendation:
+        values = _checked(cls, values, where)
+        options = {
+            name: ServingOption(**_checked(ServingOption, option, f"{where}'s option {name!r}"))
+            for name, option in values["options"].items()
+        }
+        return cls(**values | {"options": options})
+
+
+@dataclass(frozen=True, kw_only=True)
+class DefaultCounts:
+    """What one side (with the drafter or the target alone) counted at the default point."""
+
+    requests: int
+    completion_tokens: int
+    seconds: float
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    accepted_per_position: list[int]
+    tokens_per_step: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvaluationSummary:
+    """``eval/acceptance.json``. At its top level the numbers read first: the held-out set at
+    the default (first) draft length and concurrency, greedy; beside them every ``results``
+    row and the ``recommendation`` at each concurrency and sampling."""
+
+    acceptance_length: float
+    max_acceptance_length: int
+    acceptance_per_position: list[float]
+    tokens_per_s_with_drafter: float
+    tokens_per_s_with_drafter_spread: float
+    tokens_per_s_without_drafter: float
+    tokens_per_s_without_drafter_spread: float
+    speedup: float | None
+    num_speculative_tokens: int
+    concurrency: int
+    with_drafter: DefaultCounts
+    without_drafter: DefaultCounts
+    # Written only with evaluation.compare_untrained
+    untrained_acceptance_length: float | None = None
+    untrained_acceptance_per_position: list[float] | None = None
+    mla_disabled: bool
+    mla_disabled_because: str | None = None  # written only when MLA was disabled
+    results: list[SetResult | CategoryResult]
+    recommendation: list[Recommendation]
+
+    OPTIONAL: ClassVar[tuple[str, ...]] = (
+        "untrained_acceptance_length",
+        "untrained_acceptance_per_position",
+        "mla_disabled_because",
+    )
+
+    @property
+    def default_recommendation(self) -> Recommendation:
+        """At the default concurrency, greedy: what drafter_speculative_config.json holds."""
+        return next(r for r in self.recommendation if r.temperature == 0.0 and r.concurrency == self.concurrency)
+
+    def to_dict(self) -> dict[str, Any]:
+        values = dataclasses.asdict(self)
+        return {key: value for key, value in values.items() if not (key in self.OPTIONAL and value is None)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, where: str = "the evaluation summary") -> EvaluationSummary:
+        values = _checked(cls, json.loads(text), where)
+        return cls(
+            **values
+            | {
+                "with_drafter": DefaultCounts(**_checked(DefaultCounts, values["with_drafter"], "with_drafter")),
+                "without_drafter": DefaultCounts(
+                    **_checked(DefaultCounts, values["without_drafter"], "without_drafter")
+                ),
+                "results": [result_row(row, f"results[{i}]") for i, row in enumerate(values["results"])],
+                "recommendation": [
+                    Recommendation.from_dict(row, f"recommendation[{i}]")
+                    for i, row in enumerate(values["recommendation"])
+                ],
+            }
+        )
+
+    def write(self, path: Path) -> None:
+        atomic_write_text(path, self.to_json())
+
+    @classmethod
+    def read(cls, path: Path) -> EvaluationSummary:
+        """The summary at ``path``, or one line naming the file, what is off and the fix."""
+        try:
+            return cls.from_json(path.read_text(), "it")
+        except (RecordError, json.JSONDecodeError) as error:
+            raise RecordError(
+                f"{path} is no evaluation summary this version reads ({error}): {RERUN_SUMMARY}"
+            ) from None

@@ -32,6 +32,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.guard import guarded, stop_process_group, uncapped_environment
 from draftsmith.layout import DRAFTER_CONFIG, DRAFTER_WEIGHTS, Layout
 from draftsmith.progress import log
+from draftsmith.records import EvaluationSummary
 from draftsmith.run_config import RunConfig
 from draftsmith.server import Endpoint, ServerSpec, wait_until_healthy
 from draftsmith.serving import evaluation_attention
@@ -48,10 +49,14 @@ UNFINISHED = (
 )
 
 
-def read_json(path: Path, what: str, fix: str) -> Any:
+def existing(path: Path, what: str, fix: str) -> Path:
     if not path.is_file():
         raise ServeError(f"{what} {path} not found: {fix}")
-    return json.loads(path.read_text())
+    return path
+
+
+def read_json(path: Path, what: str, fix: str) -> Any:
+    return json.loads(existing(path, what, fix).read_text())
 
 
 def speculative_config(
@@ -61,12 +66,8 @@ def speculative_config(
     best draft length whatever was recommended; either at another draft length if asked."""
     config = read_json(results.speculative_config, "the recommended serving config", UNFINISHED)
     if drafter:
-        acceptance = read_json(results.acceptance, "the evaluation's summary", UNFINISHED)
-        config = next(
-            row["drafter_speculative_config"]
-            for row in acceptance["recommendation"]
-            if row["temperature"] == 0.0 and row["concurrency"] == acceptance["concurrency"]
-        )
+        summary = EvaluationSummary.read(existing(results.acceptance, "the evaluation's summary", UNFINISHED))
+        config = dict(summary.default_recommendation.drafter_speculative_config)
     if config is None:
         if num_speculative_tokens is not None:
             raise ServeError(

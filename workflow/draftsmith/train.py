@@ -38,7 +38,7 @@ from datasets import load_from_disk
 from safetensors import safe_open
 
 from draftsmith.cli import SETTINGS_HELP, read_settings
-from draftsmith.disk_budget import RowSplit, row_split, served_value_bytes
+from draftsmith.disk_budget import RowSplit, StoredRowFormat, row_split
 from draftsmith.drafter_kinds import DEFAULT_KIND, KINDS
 from draftsmith.drafter_publish import capture_requests, publish
 from draftsmith.errors import TrainError
@@ -162,14 +162,8 @@ def preflight(settings: RunConfig, paths: TrainPaths) -> TrainingInputs:
     plan = resolve_layers(list(settings.layers), target.num_hidden_layers)
     check_dataset(paths.dataset)
     hidden_states = settings.hidden_states
-    split = row_split(
-        paths.dataset,
-        hidden_states.limited_budget,
-        len(plan.vllm_ids),
-        target.hidden_size,
-        hidden_states.fp8,
-        value_bytes=served_value_bytes(settings),
-    )
+    row = StoredRowFormat.of(target, len(plan.vllm_ids), settings.server.requested_dtype, hidden_states.fp8)
+    split = row_split(paths.dataset, hidden_states.limited_budget, row)
     check_hidden_states(paths, split, len(plan.vllm_ids), target.hidden_size)
     log(f"checked: {split.describe()}, aux vLLM ids {plan.aux_vllm_ids}")
     return TrainingInputs(plan, split, target)

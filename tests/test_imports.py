@@ -1,0 +1,78 @@
+"""The package's imports stay a one-way graph: no cycle between its modules (counting the
+imports made only for type checking or inside a function, which hide a cycle until a
+refactor makes them real), and no stage imports another stage (what two stages share lives
+in a module of its own, such as capture_server)."""
+
+import ast
+from pathlib import Path
+
+from conftest import ROOT
+
+PACKAGE = ROOT / "workflow" / "draftsmith"
+# The modules a rule runs as a step of the workflow (python -m draftsmith.<stage>).
+STAGES = {
+    "questions",
+    "generate",
+    "dataset",
+    "extract",
+    "train",
+    "evaluate",
+    "gguf_target",
+    "demo_model",
+    "report",
+    "plan",
+}
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The package's modules that ``path`` imports anywhere: at the top, under TYPE_CHECKING
+    or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module == "draftsmith":
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("draftsmith."):
+            found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[1] for alias in node.names if alias.name.startswith("draftsmith.")}
+    return found - {path.stem}
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = {path.stem: path for path in PACKAGE.glob("*.py")}
+    return {name: imported_modules(path) & set(modules) for name, path in sorted(modules.items())}
+
+
+def a_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle, as the modules along it (the first one again at the end), if any."""
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> list[str] | None:
+        if module in path:
+            return [*path[path.index(module) :], module]
+        if module in done:
+            return None
+        for imported in sorted(graph[module]):
+            if cycle := visit(imported, [*path, module]):
+                return cycle
+        done.add(module)
+        return None
+
+    return next((cycle for module in graph if (cycle := visit(module, []))), None)
+
+
+def test_the_cycle_finder_names_the_modules_along_a_cycle():
+    assert a_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert a_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_the_package_has_no_import_cycle():
+    cycle = a_cycle(import_graph())
+    assert cycle is None, f"import cycle: {' -> '.join(cycle or [])}; move what both need into a module of its own"
+
+
+def test_no_stage_imports_another_stage():
+    graph = import_graph()
+    assert STAGES <= set(graph), f"stages that are no module of the package: {sorted(STAGES - set(graph))}"
+    crossings = [f"{stage} imports {other}" for stage in sorted(STAGES) for other in sorted(graph[stage] & STAGES)]
+    assert not crossings, "; ".join(crossings) + ": move what they share into a module of its own"
