@@ -328,6 +328,7 @@ STAGES: dict[str, Stage] = {
             "questions.heldout",
             "questions.shards",
             "questions.seed",
+            "questions.turns",
             # What fits: prompts that leave no room for the answer are dropped here.
             "target.model",
             "questions.prompt_token_limit",
@@ -420,6 +421,7 @@ STAGES: dict[str, Stage] = {
         shaping=(
             "evaluation.sets",
             "evaluation.limit",
+            "questions.turns",  # the sets' conversations are read as the questions' are
             "target.model",
             "evaluation.prompt_token_limit",
         ),
