@@ -172,7 +172,7 @@ def test_resharded_questions_take_their_answers_from_the_old_shards(tmp_path, ca
         tmp_path / "out.jsonl",
         None,
     )
-    assert "reused 4 answers staged by other shards" in capfd.readouterr().err
+    assert "reused 4 conversations staged by other shards" in capfd.readouterr().err
     published = read_jsonl(tmp_path / "out.jsonl")
     assert [r["id"] for r in published] == [q["id"] for q in questions]
     assert all(r["input_ids"] == [1, 7, 7] for r in published)  # not the other settings' answers
