@@ -57,7 +57,7 @@ from draftsmith.layout import GENERATION_RECORDS, SUMMARY
 from draftsmith.one_pass import CaptureSpool, captured_state_file, discard_states
 from draftsmith.progress import Progress, log
 from draftsmith.prompt_length import PromptMeter
-from draftsmith.questions import first_prompt
+from draftsmith.questions import first_prompt, turn_messages, turn_requests
 from draftsmith.run_config import RunConfig
 from draftsmith.server import Endpoint, ServerSpec
 from draftsmith.server_stage import RequestPolicy, ServerStage, StageError
@@ -193,24 +193,6 @@ def with_answer(question_id: str, record: dict[str, Any] | None, answer: Answer)
         "answers": [*previous["answers"], answer.text],
         "ended": None,
     }
-
-
-def turn_requests(messages: list[dict[str, str]]) -> list[list[dict[str, str]]]:
-    """The messages each turn adds: the first with the system turns, each up to its user turn."""
-    parts: list[list[dict[str, str]]] = [[]]
-    for message in messages:
-        parts[-1].append(message)
-        if message["role"] == "user":
-            parts.append([])
-    return parts[:-1]
-
-
-def turn_messages(parts: list[list[dict[str, str]]], answers: list[str]) -> list[dict[str, str]]:
-    """The request for turn ``len(answers)``: each earlier turn followed by the target's answer."""
-    messages: list[dict[str, str]] = []
-    for part, answer in zip(parts, answers, strict=False):
-        messages += [*part, {"role": "assistant", "content": answer}]
-    return messages + parts[len(answers)]
 
 
 class RecordWriter:

@@ -45,6 +45,9 @@ FIRST, ALL = "first", "all"  # questions.turns
 LEADING_SKIPPED = "leading assistant turns skipped"  # a count, not a bad row
 
 
+Chat = list[dict[str, str]]  # role/content messages, as sent to a chat completion
+
+
 class QuestionsError(DraftsmithError):
     pass
 
@@ -102,9 +105,10 @@ def prompt_turns(row: Any, turns: str = FIRST) -> tuple[tuple[str, str], ...]:
 
 def conversation(row: Any, turns: str = FIRST) -> tuple[tuple[tuple[str, str], ...], bool]:
     """The question's turns, and whether assistant turns before the first user text were
-    skipped. Empty turns are skipped; user turns with no reply between them are one turn
-    (templates that insist on alternating roles refuse two); a system turn after the first
-    user turn is dropped (most templates accept one only first)."""
+    skipped. Empty turns are skipped; user messages with no reply between them are one turn
+    (templates that insist on alternating roles refuse two), except in a list of plain
+    strings (MT-Bench's), where each string is a turn; a system turn after the first user
+    turn is dropped (most templates accept one only first)."""
     messages: list[tuple[str, str]] = []
     waiting: list[str] = []  # user text since the last assistant turn
     leading_skipped = False
@@ -129,6 +133,9 @@ def conversation(row: Any, turns: str = FIRST) -> tuple[tuple[tuple[str, str], .
             if turns == FIRST:  # the first user turn alone, as it always was
                 messages.append(("user", content))
                 break
+            if isinstance(turn, str) and waiting:  # a plain string is a turn of its own
+                messages.append(("user", "\n\n".join(waiting)))
+                waiting = []
             waiting.append(content)
         elif not waiting and not any(r == "user" for r, _ in messages):
             messages.append(("system", content))
@@ -143,6 +150,24 @@ def first_prompt(messages: Sequence[Mapping[str, str]]) -> list[Mapping[str, str
     """The messages up to and including the first user turn: what the first request sends."""
     first_user = next(i for i, message in enumerate(messages) if message["role"] == "user")
     return list(messages[: first_user + 1])
+
+
+def turn_requests(messages: Chat) -> list[Chat]:
+    """The messages each turn adds: the first with the system turns, each up to its user turn."""
+    parts: list[Chat] = [[]]
+    for message in messages:
+        parts[-1].append(message)
+        if message["role"] == "user":
+            parts.append([])
+    return parts[:-1]
+
+
+def turn_messages(parts: list[Chat], answers: list[str]) -> Chat:
+    """The request for turn ``len(answers)``: each earlier turn followed by the target's answer."""
+    messages: Chat = []
+    for part, answer in zip(parts, answers, strict=False):
+        messages += [*part, {"role": "assistant", "content": answer}]
+    return messages + parts[len(answers)]
 
 
 def content_hash(messages: tuple[tuple[str, str], ...]) -> str:
