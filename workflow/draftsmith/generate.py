@@ -255,7 +255,6 @@ async def answer_questions(
     next turn. ``meter`` measures each later turn's prompt (None: later turns are asked
     unmeasured, for single-turn questions)."""
     generation = stage.settings.generation
-    limit = stage.settings.question_prompt_limit if meter is not None else None
     by_id = {question["id"]: question for question in questions}
     records = dict(staged or {})
     progress = Progress("generation", total, already_done=already_done)
@@ -263,7 +262,8 @@ async def answer_questions(
         post = chat_poster(session, endpoint)
 
         def fits(messages: list[dict[str, str]]) -> bool:
-            return limit is None or meter is None or meter.tokens(messages) <= limit
+            """Whether a later turn's prompt leaves room for its answer (the questions stage's limit)."""
+            return meter is None or meter.tokens(messages) <= stage.settings.question_prompt_limit
 
         async def answer(question_id: str) -> dict[str, int]:
             parts = turn_requests(by_id[question_id]["messages"])
@@ -335,6 +335,24 @@ def prompt_meter(settings: RunConfig, todo: list[dict[str, Any]]) -> PromptMeter
     return PromptMeter(settings.target.model, settings.target.trust_remote_code)
 
 
+def reopen_if_they_fit(
+    settings: RunConfig, meter: PromptMeter | None, ended: list[dict[str, Any]], staged: dict[str, dict[str, Any]]
+) -> None:
+    """Conversations the context ended whose next turn fits the limit now (it was raised):
+    asked from that turn on, their finished turns kept."""
+    if meter is None:
+        return
+    limit = settings.question_prompt_limit
+    reopened = 0
+    for question in ended:
+        record = staged[question["id"]]
+        if meter.tokens(turn_messages(turn_requests(question["messages"]), record["answers"])) <= limit:
+            staged[question["id"]] = {**record, "ended": None}
+            reopened += 1
+    if reopened:
+        log(f"{reopened} conversations the context had ended have room for their next turn now: continued")
+
+
 def overlong_prompts(settings: RunConfig, meter: PromptMeter | None, questions: list[dict[str, Any]]) -> dict[str, int]:
     """Prompt lengths of the questions whose first prompt alone fills server.max_model_len.
 
@@ -372,6 +390,9 @@ def run(
     records_path = staging / RECORDS
     staged = load_records(records_path)  # each conversation's latest turn
     adopt_from_other_shards(staging, questions, staged)
+    ended_by_context = [q for q in questions if (staged.get(q["id"]) or {}).get("ended") == CONTEXT_FULL]
+    meter = prompt_meter(settings, [q for q in questions if not finished(staged.get(q["id"]))] + ended_by_context)
+    reopen_if_they_fit(settings, meter, ended_by_context, staged)
     done = {question: record for question, record in staged.items() if finished(record)}
     todo = [q for q in questions if q["id"] not in done]
     continued = sum(q["id"] in staged for q in todo)
@@ -380,7 +401,6 @@ def run(
         f"({continued} of them from their next turn)"
     )
 
-    meter = prompt_meter(settings, todo)
     overlong = overlong_prompts(settings, meter, [q for q in todo if q["id"] not in staged])
     if overlong:
         limit = settings.server.max_model_len

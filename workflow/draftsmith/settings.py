@@ -347,7 +347,9 @@ STAGES: dict[str, Stage] = {
             *SERVER_NUMERICS,
             "hidden_states.capture_during_generation",
         ),
-        extent=("target.build_demo", "hidden_states.capture_budget"),
+        # A conversation's later turns are asked while their prompt is within the limit: a
+        # larger one continues the conversations it ended, whose finished turns stay valid.
+        extent=("target.build_demo", "hidden_states.capture_budget", "questions.prompt_token_limit"),
         operational=(
             *SERVER_PLACEMENT,
             *SERVER_PATIENCE,
