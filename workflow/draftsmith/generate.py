@@ -301,6 +301,21 @@ async def answer_questions(
     return GenerationTally(len(by_id) - len(failures), progress.counts.get("truncated", 0), failures)
 
 
+VERBATIM_SHARE = 0.9  # below this share of answer tokens trained, the template rewrites the history
+
+
+def warn_if_history_rewritten(summary: dict[str, Any]) -> None:
+    """Say so when the rows train much less than was generated: earlier answers come back
+    in later prompts as other tokens (a template that drops their reasoning, say)."""
+    generated, trained = summary["answer_tokens"], summary["answer_tokens_trained"]
+    if generated and trained < VERBATIM_SHARE * generated:
+        log(
+            f"only {trained:,} of the {generated:,} tokens the target generated are trained: the chat template "
+            "rewrites earlier answers in later prompts, so those turns are paid for but not learned; "
+            "questions.turns: first avoids the cost"
+        )
+
+
 def external_endpoint(settings: RunConfig) -> Endpoint | None:
     external = settings.generation.endpoint
     if external is None:
@@ -458,6 +473,10 @@ def run(
         # Conversations that stopped before their last user turn: its prompt would not fit.
         "ended_by_context": sum(r.get("ended") == CONTEXT_FULL for r in answered),
         "truncated": sum(turn_finish_reasons(r).count("length") for r in answered),  # turns cut at max_tokens
+        # Generated tokens, and those the rows train: fewer where a later turn's prompt does
+        # not hold an earlier answer verbatim (a template that rewrites the history).
+        "answer_tokens": sum(r["completion_tokens"] for r in answered),
+        "answer_tokens_trained": sum(sum(r["loss_mask"]) for r in answered),
         "failed": len(missing),
         "asked_this_run": len(todo),
         "errors": dict(list(tally.errors.items())[:20]),
@@ -465,6 +484,7 @@ def run(
     if spool is not None:
         summary["states_captured"] = {"answers": spool.kept, "bytes": spool.bytes, "not_kept": dict(spool.skipped)}
     atomic_write_text(staging / SUMMARY, json.dumps(summary, indent=2) + "\n")
+    warn_if_history_rewritten(summary)
     stage.check_failures(
         {i: tally.errors.get(i, "not answered") for i in missing},
         len(questions),
