@@ -1,5 +1,5 @@
 """A real model on real conversations, end to end, as CI can afford it: config/smollm2-sharegpt.yaml
-(SmolLM2-135M-Instruct from its GGUF, ShareGPT V3 as shipped, HumanEval) cut to 20 multi-turn
+(SmolLM2-135M-Instruct from its GGUF, ShareGPT V3 as shipped, HumanEval) cut to 28 multi-turn
 conversations (questions.turns: all), 32-token answers, a 512-token context and one epoch. Every
 stage runs for real: the GGUF conversion, questions with ShareGPT's bad rows and over-long
 prompts dropped and counted, generation of every turn in the real chat template, a separate
@@ -32,8 +32,9 @@ OPTIONS = {"target alone", "drafter k=3", "ngram k=3"}
 def ci_config() -> dict:
     config = yaml.safe_load(REAL_CONFIG.read_text())
     config["server"]["max_model_len"] = CONTEXT
-    # Every turn of 12 training conversations (about 45 turns: what 32 first turns cost before).
-    config["questions"] |= {"limit": 20, "heldout": 8, "turns": "all"}
+    # Every turn of 16 training conversations (about 60 turns); ShareGPT's first 33 records
+    # hold them and 5 prompts over 480 tokens.
+    config["questions"] |= {"limit": 28, "heldout": 12, "turns": "all"}
     config["generation"]["max_tokens"] = ANSWER
     config["dataset"]["seq_length"] = CONTEXT - 1  # extraction asks for one token more
     # A separate extraction: the prefill reference for the parity test below, and the one
@@ -86,11 +87,11 @@ def test_sharegpts_bad_rows_and_over_long_prompts_are_dropped_and_counted(real_r
     too_long = [n for reason, n in reasons.items() if reason.startswith(f"prompt over {CONTEXT - ANSWER} tokens")]
     assert too_long == [summary["too_long"]] and summary["too_long"] > 0
     assert summary["leading_assistant_turns_skipped"] > 0  # kept from their first user turn
-    assert (summary["questions"], summary["heldout"]) == (20, 8) and summary["train_turns"] > 12
+    assert (summary["questions"], summary["heldout"]) == (28, 12) and summary["train_turns"] > 16
     generation = json.loads((real_run / ".staging/completions/shard_0/summary.json").read_text())
     print(json.dumps(generation))
-    assert (generation["answered"], generation["failed"]) == (12, 0), generation
-    assert generation["turns_answered"] > 12
+    assert (generation["answered"], generation["failed"]) == (16, 0), generation
+    assert generation["turns_answered"] > 16
 
 
 def test_every_turn_in_the_real_chat_template_is_trained_where_the_target_wrote_it(real_run):
