@@ -327,3 +327,19 @@ def test_every_answer_in_the_stored_dataset_is_the_targets_own_and_only_those_ar
         RowIds.read(work / "dataset").ids, rows["input_ids"], rows["loss_mask"], strict=True
     ):
         assert (input_ids, loss_mask) == (records[question]["input_ids"], records[question]["loss_mask"])
+
+
+def test_a_larger_context_continues_the_conversations_the_smaller_one_ended(tiny_tokenizer):
+    """A conversation ended because its next prompt would not fit is asked from that turn on
+    once the limit is raised (the limit is an extent of the rule, not a shape)."""
+    from draftsmith.prompt_length import PromptMeter
+
+    question = {"id": "c", "messages": [*long_question(1)["messages"], *long_question(150)["messages"]]}
+    record = {"id": "c", "turns": 1, "answers": ["1 2 3"], "ended": generate.CONTEXT_FULL}
+    staged = {"c": record}
+    meter = PromptMeter(str(tiny_tokenizer))
+    for context, reopened in ((128, False), (512, True)):
+        limits = {"server": {"max_model_len": context}, "generation": {"max_tokens": 24}}
+        settings = RunConfig.from_dict(limits | {"questions": {"max_prompt_tokens": None}})
+        generate.reopen_if_they_fit(settings, meter, [question], staged)
+        assert generate.finished(staged["c"]) != reopened

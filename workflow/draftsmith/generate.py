@@ -355,7 +355,7 @@ def reopen_if_they_fit(
 ) -> None:
     """Conversations the context ended whose next turn fits the limit now (it was raised):
     asked from that turn on, their finished turns kept."""
-    if meter is None:
+    if meter is None or not ended:
         return
     limit = settings.question_prompt_limit
     reopened = 0
