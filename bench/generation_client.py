@@ -84,8 +84,8 @@ def main() -> None:
         tempfile.TemporaryDirectory() as scratch,
     ):
         asyncio.run(plain_load(endpoint, questions[:32], generation))  # warm-up
-        # The stage imports speculators while its server loads; here too, not in the timing.
-        import speculators.cli.regenerate_responses  # noqa: F401
+        # The stage imports speculators' client while its server loads; here too, not in the timing.
+        import speculators.data_generation.vllm_client  # noqa: F401
 
         for repeat in range(args.repeats):
             writer = RecordWriter(Path(scratch) / f"records_{repeat}.jsonl")

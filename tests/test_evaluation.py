@@ -290,11 +290,12 @@ def write_jsonl(path, rows):
     return str(path)
 
 
-def sets_config(model, sets, max_model_len=512, max_tokens=64, limit=None) -> RunConfig:
+def sets_config(model, sets, max_model_len=512, max_tokens=64, limit=None, turns="first") -> RunConfig:
     return RunConfig.from_dict(
         {
             "target": {"model": str(model), "trust_remote_code": False},
             "server": {"max_model_len": max_model_len},
+            "questions": {"turns": turns},
             "evaluation": {"limit": limit, "max_tokens": max_tokens, "sets": sets},
         }
     )
@@ -323,6 +324,69 @@ def test_sets_read_prompt_fields_categories_and_limits(tmp_path, tiny_tokenizer)
     assert [p["category"] for p in prompts if p["set"] == "mt_bench"] == ["writing", "math"]
     assert prompts[1]["messages"] == [{"role": "user", "content": "what is 0+1?"}]
     assert prompts[0] == {"set": "heldout", "category": "all", "id": "h1", **prompts[0]}
+
+
+def test_multi_turn_sets_keep_the_later_turns_that_fit_with_every_answer_at_max_tokens(tmp_path, tiny_tokenizer):
+    """MT-Bench's shape under questions.turns all: each user turn is kept while it fits with
+    every earlier answer at evaluation.max_tokens; the turns cut are counted per set."""
+    heldout = tmp_path / "heldout.jsonl"
+    write_jsonl(heldout, [{"id": "h1", "messages": user("hi") + user("ho")}])
+    mt = write_jsonl(
+        tmp_path / "mt.jsonl",
+        [
+            {"prompt": ["write a poem", "now shorter"]},
+            {"prompt": ["write a poem", "again"]},  # same first turn: another conversation now
+            {"prompt": ["prove it", "word " * 40, "and again"]},  # its second turn leaves no room
+        ],
+    )
+    config = sets_config(tiny_tokenizer, {"mt": {"source": mt}}, max_model_len=100, max_tokens=30, turns="all")
+    evaluation_sets.run(config, heldout, tmp_path / "prompts.jsonl", tmp_path / "sets.json")
+    prompts = {p["messages"][-1]["content"]: p for p in evaluation_sets.read_prompts(tmp_path / "prompts.jsonl")}
+    assert [m["content"] for m in prompts["now shorter"]["messages"]] == ["write a poem", "now shorter"]
+    assert "again" in prompts and [m["content"] for m in prompts["prove it"]["messages"]] == ["prove it"]
+    assert [m["content"] for m in prompts["ho"]["messages"]] == ["hi", "ho"]  # the held-out split too
+    counts = json.loads((tmp_path / "sets.json").read_text())["sets"]
+    assert (counts["mt"]["turns"], counts["mt"]["later_turns_dropped"], counts["mt"]["prompts"]) == (5, 2, 3)
+    assert (counts["heldout"]["turns"], counts["heldout"]["later_turns_dropped"]) == (2, 0)
+
+
+def test_every_turn_of_a_conversation_is_asked_after_the_targets_answer_and_measured(monkeypatch):
+    """One request per user turn, each holding the target's answers so far; the phase tallies
+    every turn's acceptance, once, even when the conversation was retried."""
+    import asyncio
+
+    from draftsmith import evaluate, server_stage
+    from draftsmith.server import Endpoint
+    from draftsmith.server_stage import RequestPolicy, ServerStage
+
+    asked: list[list[dict]] = []
+    failed_once: set[str] = set()
+
+    def fake_poster(session, endpoint):
+        async def post(payload):
+            asked.append(payload["messages"])
+            turn = sum(m["role"] == "assistant" for m in payload["messages"])
+            if payload["messages"][0]["content"] == "b" and turn == 1 and "b" not in failed_once:
+                failed_once.add("b")
+                raise RuntimeError("HTTP 503: a transient failure")
+            return response(10, [1, 2, 3]) | {"choices": [{"message": {"content": f"answer {turn}"}}]}
+
+        return post
+
+    monkeypatch.setattr(evaluate, "chat_poster", fake_poster)
+    monkeypatch.setattr(server_stage, "MAX_BACKOFF_S", 0.0)  # retry at once
+    prompts = [
+        {"set": "mt", "category": "all", "id": "a", "messages": user("a") + user("a2") + user("a3")},
+        {"set": "mt", "category": "all", "id": "b", "messages": user("b") + user("b2")},
+    ]
+    config = RunConfig.from_dict({"evaluation": {"max_tokens": 16}})
+    stage = ServerStage("evaluate", config, RequestPolicy(concurrency=1, timeout_s=10, max_retries=1), "requests")
+    phase = Phase("mt", 1, {"temperature": 0.0})
+    asyncio.run(evaluate.run_phase(stage, Endpoint("http://127.0.0.1:9/v1", "key", "m"), prompts, phase, "test"))
+    assert asked[1] == [*user("a"), {"role": "assistant", "content": "answer 0"}, *user("a2")]
+    assert asked[2] == [*asked[1], {"role": "assistant", "content": "answer 1"}, *user("a3")]
+    tally = phase.categories["all"]
+    assert tally.requests == 5 and tally.histogram == [5, 10, 15]  # three turns of a, two of b, once each
 
 
 def test_a_set_with_no_usable_prompt_is_named(tmp_path, tiny_tokenizer):
@@ -357,6 +421,8 @@ def test_prompts_with_no_room_for_the_answer_are_dropped_and_counted_per_set(tmp
         "rows_read": 2,
         "duplicates": 0,
         "dropped": {reason: 1},
+        "turns": 1,
+        "later_turns_dropped": 0,
         "prompts": 1,
         "by_category": None,
     }

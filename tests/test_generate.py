@@ -1,16 +1,20 @@
-"""Generation stage against the real vLLM CPU build: think tags, masks, resume, error budget."""
+"""Generation stage against the real vLLM CPU build: think tags, masks, resume, error budget,
+and multi-turn conversations (each answer the target's own, resumed between turns)."""
 
 import json
 import time
 
 import pytest
 from conftest import server_settings
+from datasets import load_from_disk
 from transformers import AutoTokenizer
 
-from draftsmith import generate
+from draftsmith import client, dataset, generate
 from draftsmith.demo_language import question_rows
 from draftsmith.errors import DraftsmithError
+from draftsmith.records import RowIds
 from draftsmith.run_config import RunConfig
+from draftsmith.server import ServerSpec, managed_server
 from draftsmith.settings import item_settings
 from draftsmith.staging import open_staging
 
@@ -172,7 +176,7 @@ def test_resharded_questions_take_their_answers_from_the_old_shards(tmp_path, ca
         tmp_path / "out.jsonl",
         None,
     )
-    assert "reused 4 answers staged by other shards" in capfd.readouterr().err
+    assert "reused 4 conversations staged by other shards" in capfd.readouterr().err
     published = read_jsonl(tmp_path / "out.jsonl")
     assert [r["id"] for r in published] == [q["id"] for q in questions]
     assert all(r["input_ids"] == [1, 7, 7] for r in published)  # not the other settings' answers
@@ -193,3 +197,149 @@ def test_prompts_that_fill_the_context_fail_before_the_server_starts(demo_target
     )
     assert "e.g. q-long): raise server.max_model_len or drop them; nothing was started" in str(caught.value)
     assert time.monotonic() - started < 10  # a tokenizer pass, no model load
+
+
+# --- multi-turn conversations (questions.turns: all) ---------------------------------------
+
+TURNS = 3
+
+
+class Killed(BaseException):
+    """The stage dies here, between two turns (not an Exception: no retry catches it)."""
+
+
+def conversations(count: int, turns: int) -> list[dict]:
+    """``count`` conversations of ``turns`` demo questions each, as the questions stage writes them."""
+    rows = [r for r in question_rows(count * turns + 20, seed=2, duplicates=0) if "messages" in r]
+    return [
+        {"id": f"conv-{i}", "messages": [m for r in rows[i * turns : (i + 1) * turns] for m in r["messages"]]}
+        for i in range(count)
+    ]
+
+
+def recording_poster(monkeypatch, asked: list, kill_before: tuple[str, int] | None = None) -> None:
+    """Every request and its response, as (conversation, turn, payload, response); raise
+    ``Killed`` instead of asking ``kill_before`` (conversation, turn)."""
+
+    def poster(session, endpoint):
+        post = client.chat_poster(session, endpoint)
+
+        async def recorded(payload):
+            first = next(m["content"] for m in payload["messages"] if m["role"] == "user")
+            key = (CONVERSATION_OF[first], sum(m["role"] == "assistant" for m in payload["messages"]))
+            if key == kill_before:
+                raise Killed
+            data = await post(payload)
+            asked.append((*key, payload, data))
+            return data
+
+        return recorded
+
+    monkeypatch.setattr(generate, "chat_poster", poster)
+
+
+CONVERSATION_OF: dict[str, str] = {}
+
+
+@pytest.fixture(scope="module")
+def multi_turn(demo_target, tmp_path_factory):
+    """Three conversations of three turns and one whose second turn would not fit, against
+    one server: killed before the second turn of the second conversation, then resumed.
+    Returns (questions, every request with its response, the staging at the kill, work)."""
+    work = tmp_path_factory.mktemp("multi_turn")
+    questions = conversations(3, TURNS)
+    spell = {"role": "user", "content": "spell the word cat"}
+    questions.append({"id": "conv-long", "messages": [spell, *long_question(470)["messages"]]})
+    CONVERSATION_OF.update({q["messages"][0]["content"]: q["id"] for q in questions})
+    (work / "q.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
+    settings = server_settings(demo_target)
+    asked: list = []
+    with (
+        pytest.MonkeyPatch.context() as patch,
+        managed_server(ServerSpec.from_config(RunConfig.from_dict(settings))) as endpoint,
+    ):
+        patch.setenv("DRAFTSMITH_TEST_KEY", endpoint.api_key)
+        external = {"base_url": endpoint.base_url, "model": endpoint.model, "api_key_env": "DRAFTSMITH_TEST_KEY"}
+        generation = GENERATION | {"concurrency": 1, "max_tokens": 24, "endpoint": external}
+        run_settings = RunConfig.from_dict(
+            settings | {"generation": generation, "questions": {"max_prompt_tokens": None}}
+        )
+        recording_poster(patch, asked, kill_before=("conv-1", 1))
+        with pytest.raises(BaseExceptionGroup) as killed:  # the task group's, around Killed
+            generate.run(run_settings, work / "q.jsonl", work / "staging", work / "out.jsonl", None)
+        assert killed.value.subgroup(Killed) is not None, killed.value
+        at_kill = generate.read_records(work / "staging" / generate.RECORDS)
+        resumed_from = len(asked)
+        recording_poster(patch, asked)
+        generate.run(run_settings, work / "q.jsonl", work / "staging", work / "out.jsonl", None)
+    return questions, asked, resumed_from, at_kill, work
+
+
+@pytest.mark.vllm
+def test_a_kill_between_turns_resumes_without_asking_a_finished_turn_again(multi_turn):
+    _, asked, resumed_from, at_kill, work = multi_turn
+    assert {q: r["turns"] for q, r in at_kill.items()} == {"conv-0": TURNS, "conv-1": 1}
+    assert generate.finished(at_kill["conv-0"]) and not generate.finished(at_kill["conv-1"])
+    before = [(q, turn) for q, turn, *_ in asked[:resumed_from]]
+    after = [(q, turn) for q, turn, *_ in asked[resumed_from:]]
+    assert before == [("conv-0", 0), ("conv-0", 1), ("conv-0", 2), ("conv-1", 0)]
+    assert after == [("conv-1", 1), ("conv-1", 2), ("conv-2", 0), ("conv-2", 1), ("conv-2", 2), ("conv-long", 0)]
+    summary = json.loads((work / "staging" / "summary.json").read_text())
+    assert (summary["answered"], summary["turns_answered"], summary["ended_by_context"]) == (4, 10, 1)
+
+
+@pytest.mark.vllm
+def test_every_answer_in_the_stored_dataset_is_the_targets_own_and_only_those_are_masked(multi_turn, demo_target):
+    """Each turn's request holds the target's earlier answers (the source's are not asked
+    for); the conversation's row is its last request, every turn's answer sits in it where
+    the target wrote it, and the loss mask covers exactly those answers. The dataset stage
+    stores the rows as they are."""
+    questions, asked, _, _, work = multi_turn
+    responses = {(q, turn): (payload, data) for q, turn, payload, data in asked}
+    records = {r["id"]: r for r in read_jsonl(work / "out.jsonl")}
+    assert list(records) == [q["id"] for q in questions]
+    for question in questions:
+        record = records[question["id"]]
+        turns = TURNS if question["id"] != "conv-long" else 1
+        assert (record["turns"], record["ended"]) == (turns, "last turn" if turns == TURNS else "context full")
+        ids, covered = record["input_ids"], [0] * len(record["input_ids"])
+        for turn in range(turns):
+            payload, data = responses[(question["id"], turn)]
+            prompt, answer = data["prompt_token_ids"], data["choices"][0]["token_ids"]
+            earlier = [m["content"] for m in payload["messages"] if m["role"] == "assistant"]
+            assert earlier == [
+                responses[(question["id"], t)][1]["choices"][0]["message"]["content"] for t in range(turn)
+            ]
+            assert ids[: len(prompt)] == prompt and ids[len(prompt) : len(prompt) + len(answer)] == answer
+            covered[len(prompt) : len(prompt) + len(answer)] = [1] * len(answer)
+            if turn == turns - 1:
+                assert ids == prompt + answer  # the whole conversation, as the target saw it last
+        assert record["loss_mask"] == covered and record["completion_tokens"] == sum(covered)
+        assert "answers" not in record  # the texts stay in the staging
+    settings = {
+        "target": {"model": str(demo_target), "trust_remote_code": False},
+        "dataset": {"seq_length": 448, "min_trainable_tokens": 1},
+        "hidden_states": {"capture": "separate"},
+    }
+    dataset.run(RunConfig.from_dict(settings), [work / "out.jsonl"], work / "dataset_staging", work / "dataset")
+    rows = load_from_disk(str(work / "dataset")).with_format(None)
+    for question, input_ids, loss_mask in zip(
+        RowIds.read(work / "dataset").ids, rows["input_ids"], rows["loss_mask"], strict=True
+    ):
+        assert (input_ids, loss_mask) == (records[question]["input_ids"], records[question]["loss_mask"])
+
+
+def test_a_larger_context_continues_the_conversations_the_smaller_one_ended(tiny_tokenizer):
+    """A conversation ended because its next prompt would not fit is asked from that turn on
+    once the limit is raised (the limit is an extent of the rule, not a shape)."""
+    from draftsmith.prompt_length import PromptMeter
+
+    question = {"id": "c", "messages": [*long_question(1)["messages"], *long_question(150)["messages"]]}
+    record = {"id": "c", "turns": 1, "answers": ["1 2 3"], "ended": generate.CONTEXT_FULL}
+    staged = {"c": record}
+    meter = PromptMeter(str(tiny_tokenizer))
+    for context, reopened in ((128, False), (512, True)):
+        limits = {"server": {"max_model_len": context}, "generation": {"max_tokens": 24}}
+        settings = RunConfig.from_dict(limits | {"questions": {"max_prompt_tokens": None}})
+        generate.reopen_if_they_fit(settings, meter, [question], staged)
+        assert generate.finished(staged["c"]) != reopened

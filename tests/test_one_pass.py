@@ -1,6 +1,7 @@
 """One pass (hidden_states.capture: during_generation) against the real vLLM CPU build: the
 generation server saves each answer's states, the dataset and the extraction adopt them
-without a server, and they equal what a separate extraction's prefill stores."""
+without a server, and they equal what a separate extraction's prefill stores. Two of the
+conversations have two turns: the last turn's states cover the whole conversation."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from draftsmith.shard_gate import BadSample
 
 LAYERS = [1, 2, 4, 5]  # the demo config's
 QUESTIONS = 8
+MULTI_TURN = 2  # of them, with a second user turn
 # Decode and prefill states of the same token: relative to the largest value (bf16 serving).
 TOLERANCE = 0.05
 
@@ -45,28 +47,37 @@ def one_pass_settings(model: Path, capture: str = "during_generation", budget: s
     settings["hidden_states"] |= {"capture": capture, "disk_budget": budget}
     return settings | {
         "layers": LAYERS,
-        "questions": {"shards": 1},
+        "questions": {"shards": 1, "max_prompt_tokens": None},
         "generation": GENERATION | {"max_tokens": 24},
         "dataset": {"seq_length": 448, "min_trainable_tokens": 1},
         "extraction": {"concurrency": 4, "request_timeout_s": 120, "max_retries": 1},
     }
 
 
+def write_conversations(path: Path) -> None:
+    """QUESTIONS demo questions, the first MULTI_TURN of them with a second user turn."""
+    rows = write_questions(path, QUESTIONS + MULTI_TURN)
+    questions = [{"id": row["id"], "messages": row["messages"]} for row in rows[:QUESTIONS]]
+    for question, second in zip(questions, rows[QUESTIONS:], strict=False):
+        question["messages"] = question["messages"] + second["messages"]
+    path.write_text("".join(json.dumps(question) + "\n" for question in questions))
+
+
 def kill_generation_after(answers: int, settings: dict, work: Path, staging: Path) -> int:
-    """SIGKILL the generation stage (its whole group) once ``answers`` are recorded; the
-    server's guard stops the server. Returns how many answers were recorded by then."""
+    """SIGKILL the generation stage (its whole group) once ``answers`` conversations are
+    finished; the server's guard stops the server. Returns how many were finished by then."""
     records = staging / "records.jsonl"
     command = [sys.executable, "-m", "draftsmith.generate", "--settings", json.dumps(settings)]
     command += ["--questions", str(work / "q.jsonl"), "--staging", str(staging), "--output", str(work / "x.jsonl")]
     process = subprocess.Popen(command, start_new_session=True, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 600
-    while not (records.exists() and len(records.read_text().splitlines()) >= answers):
+    while sum(map(generate.finished, generate.read_records(records).values())) < answers:
         assert process.poll() is None and time.monotonic() < deadline, "the generation ended before the kill"
         time.sleep(0.05)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     assert heavy_processes_after(20) == []
-    return len(records.read_text().splitlines())
+    return sum(map(generate.finished, generate.read_records(records).values()))
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +86,7 @@ def one_pass_run(demo_target, tmp_path_factory):
     same rows twice: adopting the captures (no server) and, for reference, by prefill as a
     separate extraction does."""
     work = tmp_path_factory.mktemp("one_pass")
-    write_questions(work / "q.jsonl", QUESTIONS)
+    write_conversations(work / "q.jsonl")
     settings = RunConfig.from_dict(one_pass_settings(demo_target))
     generation = work / "generation"
     killed_after = kill_generation_after(3, one_pass_settings(demo_target), work, generation)
@@ -95,6 +106,7 @@ def test_generation_saves_every_answer_with_its_states(one_pass_run):
     work, _, _ = one_pass_run
     records = [json.loads(line) for line in (work / "completions.jsonl").read_text().splitlines()]
     assert len(records) == QUESTIONS and all(record["captured"] for record in records)
+    assert sorted(record["turns"] for record in records) == [1] * (QUESTIONS - MULTI_TURN) + [2] * MULTI_TURN
     for record in records:
         states = load_file(captured_state_file(work / "generation", record["id"]))
         # Every token fed to the model: the prompt and the answer but its final token.
@@ -146,7 +158,7 @@ def test_a_killed_generation_keeps_its_answers_and_their_states(one_pass_run):
     summary = json.loads((work / "generation/summary.json").read_text())
     assert 3 <= killed_after < QUESTIONS and summary["asked_this_run"] == QUESTIONS - killed_after
     records = (work / "generation/records.jsonl").read_text().splitlines()
-    assert len(records) == QUESTIONS
+    assert len(records) == QUESTIONS + MULTI_TURN == summary["turns_answered"]  # a line per turn, none asked twice
     assert len(list((work / "generation" / CAPTURES).iterdir())) == QUESTIONS
 
 

@@ -68,6 +68,29 @@ def test_after_the_questions_stage_the_plan_counts_its_questions_and_the_prompts
     assert "9,000 / 200 (questions stage; 45 dropped: prompt over 1,408 tokens)" in format_plan(plan)
 
 
+def test_the_plan_counts_turns_and_tokens_per_turn(tmp_path):
+    """Multi-turn conversations: the questions stage's turns before generation (every answer
+    at max_tokens), the answered turns after it; a row is a whole conversation."""
+    results = tmp_path / "results"
+    (results / "questions").mkdir(parents=True)
+    summary = {"train": 1000, "train_turns": 3000, "heldout": 200, "too_long": 0, "max_prompt_tokens": 1408}
+    (results / "questions" / "summary.json").write_text(json.dumps(summary))
+    settings = kimi_settings(tmp_path)
+    plan = plan_for(RunConfig.from_dict(settings), results)
+    max_tokens = settings["generation"]["max_tokens"]
+    assert (plan["turns_train"], plan["completion_tokens"]) == (3000, 3000 * max_tokens)
+    assert plan["completion_tokens_per_turn"] == max_tokens and plan["tokens_basis"] == "upper bound"
+    assert "turns (train): per conversation" in format_plan(plan) and "3,000: 3.0" in format_plan(plan)
+
+    (results / "completions").mkdir()
+    rows = [{"id": f"q{i}", "prompt_tokens": 300, "completion_tokens": 600, "turns": 2} for i in range(10)]
+    (results / "completions" / "shard_0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plan = plan_for(RunConfig.from_dict(settings), results)
+    assert (plan["turns_train"], plan["prompt_tokens_per_turn"], plan["completion_tokens_per_turn"]) == (2000, 150, 300)
+    assert plan["training_tokens"] == 900 * 1000
+    assert "150 / 300 (measured)" in format_plan(plan)
+
+
 def test_plan_cli_prints_the_table(tmp_path):
     settings = kimi_settings(tmp_path)
     run = subprocess.run(

@@ -21,6 +21,7 @@ def settings(source, model, max_model_len=512, max_tokens=64, **overrides):
         "shards": 2,
         "seed": 0,
         "max_prompt_tokens": None,
+        "turns": "first",
     }
     section.update(overrides)
     return RunConfig.from_dict(
@@ -75,8 +76,8 @@ def test_every_common_shape_becomes_a_prompt():
 @pytest.mark.parametrize(
     ("row", "reason"),
     [
-        ({"messages": [{"role": "assistant", "content": "hi"}]}, "starts with an assistant turn"),
-        ({"conversations": [{"from": "human", "value": ""}, {"from": "gpt", "value": "hi"}]}, "empty first user turn"),
+        ({"messages": [{"role": "assistant", "content": "hi"}]}, "no user turn"),
+        ({"conversations": [{"from": "human", "value": ""}, {"from": "gpt", "value": "hi"}]}, "no user turn"),
         ({"messages": []}, "no messages, conversations or prompt field"),
         ({"messages": [{"role": "user", "content": "   "}]}, "no user turn"),
         ({"text": "no conversation here"}, "no messages, conversations or prompt field"),
@@ -87,6 +88,64 @@ def test_every_common_shape_becomes_a_prompt():
 def test_bad_rows_name_their_reason(row, reason):
     with pytest.raises(q.BadRow, match=reason):
         q.prompt_turns(row)
+
+
+SPLIT_PART = {  # ShareGPT split long conversations into parts: this one starts with the assistant
+    "conversations": [
+        {"from": "gpt", "value": "...and that is the end of the story."},
+        {"from": "chatgpt", "value": "Anything else?"},
+        {"from": "human", "value": "  "},
+        {"from": "system", "value": "Be brief."},
+        {"from": "human", "value": "shorter please"},
+        {"from": "gpt", "value": "The end."},
+        {"from": "human", "value": "thanks"},
+        {"from": "human", "value": "one more?"},
+        {"from": "bard", "value": "Sure."},
+        {"from": "system", "value": "not here"},
+        {"from": "human", "value": "bye"},
+    ]
+}
+
+
+def test_all_turns_keep_every_user_turn_and_drop_the_sources_answers():
+    """``all``: system first, then each user turn (those with no reply between them as one);
+    leading assistant turns are skipped and said so; a late system turn is dropped."""
+    messages, skipped = q.conversation(SPLIT_PART, q.ALL)
+    assert skipped and messages == (
+        ("system", "Be brief."),
+        ("user", "shorter please"),
+        ("user", "thanks\n\none more?"),
+        ("user", "bye"),
+    )
+    assert q.conversation(SPLIT_PART, q.FIRST) == ((("system", "Be brief."), ("user", "shorter please")), True)
+    assert q.conversation(ROWS[0], q.ALL)[0] == (("system", "Be brief."), ("user", "count to 3"), ("user", "again"))
+    assert q.conversation(ROWS[1], q.ALL) == ((("user", "spell cat"),), False)
+    assert q.conversation({"prompt": ["write a poem", "now shorter"]}, q.ALL)[0] == (
+        ("user", "write a poem"),
+        ("user", "now shorter"),
+    )
+
+
+def test_leading_assistant_turns_are_counted_not_dropped(tmp_path, tiny_tokenizer):
+    rows = [*ROWS, SPLIT_PART]
+    first = q.run(settings(write_jsonl(tmp_path / "in.jsonl", rows), tiny_tokenizer), tmp_path / "first")
+    every = q.run(settings(tmp_path / "in.jsonl", tiny_tokenizer, turns="all"), tmp_path / "all")
+    assert first["leading_assistant_turns_skipped"] == every["leading_assistant_turns_skipped"] == 1
+    assert first["bad_rows"] == every["bad_rows"] == 0 and first["questions"] == every["questions"] == 7
+    assert (first["turns"], first["train_turns"]) == ("first", first["train"])
+    user_turns = lambda name: [sum(m["role"] == "user" for m in r["messages"]) for r in read_jsonl(name)]  # noqa: E731
+    train = user_turns(tmp_path / "all/shard_0.jsonl") + user_turns(tmp_path / "all/shard_1.jsonl")
+    assert sorted(train + user_turns(tmp_path / "all/heldout.jsonl")) == [1, 1, 1, 1, 1, 2, 3]
+    assert every["train_turns"] == sum(train)
+
+
+def test_turns_after_the_first_do_not_have_to_fit_the_prompt_limit(tmp_path, tiny_tokenizer):
+    """Only the first prompt is measured here; generation asks later turns while they fit."""
+    rows = [{"prompt": ["spell cat", "word " * 500]}, {"prompt": "spell dog"}, {"prompt": "count to 3"}]
+    summary = q.run(
+        settings(write_jsonl(tmp_path / "in.jsonl", rows), tiny_tokenizer, turns="all", heldout=1), tmp_path / "o"
+    )
+    assert (summary["questions"], summary["too_long"]) == (3, 0)
 
 
 def test_dedup_by_normalized_content_and_stable_ids(tmp_path, tiny_tokenizer):
@@ -145,13 +204,14 @@ def test_bad_rows_are_counted_not_fatal(tmp_path, tiny_tokenizer):
     assert summary["bad_rows_by_reason"] == {
         "malformed JSON line": 1,
         "invalid UTF-8": 1,
-        "starts with an assistant turn": 1,
+        "no user turn": 1,
     }
 
 
 def test_a_json_array_is_read_as_a_stream_and_a_cut_off_file_keeps_its_complete_rows(tmp_path, tiny_tokenizer):
     """ShareGPT's own JSON, as shipped: an array cut off mid-record, with conversations that
-    start with the assistant or carry an empty first human turn. Each is a counted bad row."""
+    start with the assistant or carry an empty first human turn. The first keeps its user
+    turn (counted); the second has none, a counted bad row."""
     rows = [{"id": str(i), "conversations": [{"from": "human", "value": f"question {i}"}]} for i in range(4)]
     rows.append({"id": "a", "conversations": [{"from": "gpt", "value": "I start"}, {"from": "human", "value": "x"}]})
     rows.append({"id": "e", "conversations": [{"from": "human", "value": " "}, {"from": "gpt", "value": "hm"}]})
@@ -159,12 +219,9 @@ def test_a_json_array_is_read_as_a_stream_and_a_cut_off_file_keeps_its_complete_
     path = tmp_path / "sharegpt.json"
     path.write_text(text[:-1] + ', {"id": "cut", "conversations": [{"from": "human", "value": "never fin')
     summary = q.run(settings(path, tiny_tokenizer, heldout=1), tmp_path / "out")
-    assert summary["questions"] == 4 and summary["rows_read"] == 7
-    assert summary["bad_rows_by_reason"] == {
-        "starts with an assistant turn": 1,
-        "empty first user turn": 1,
-        "file ends inside a record (cut off)": 1,
-    }
+    assert summary["questions"] == 5 and summary["rows_read"] == 7
+    assert summary["leading_assistant_turns_skipped"] == 1
+    assert summary["bad_rows_by_reason"] == {"no user turn": 1, "file ends inside a record (cut off)": 1}
     broken = tmp_path / "broken.json"
     broken.write_text(text[:-1] + ", {not json}, " + json.dumps(rows[0]) + "]")
     assert (
@@ -239,16 +296,17 @@ SAMPLE = Path(__file__).parent / "data" / "sharegpt_sample.json"
 
 def test_a_sharegpt_file_as_shipped_keeps_what_fits_and_counts_every_bad_row_with_its_reason(tmp_path, tiny_tokenizer):
     """ShareGPT's layout with each kind of row real data holds: an over-long prompt, an
-    assistant-first conversation, an empty first turn and a record cut off by the file's end."""
+    assistant-first conversation (kept from its user turn), an empty first turn with no
+    user turn after it and a record cut off by the file's end."""
     summary = q.run(settings(SAMPLE, tiny_tokenizer, heldout=1), tmp_path / "out")
     too_long = "prompt over 448 tokens (no room for generation.max_tokens 64 in server.max_model_len 512)"
     assert summary["bad_rows_by_reason"] == {
-        "starts with an assistant turn": 1,
-        "empty first user turn": 1,
+        "no user turn": 1,
         too_long: 1,
         "file ends inside a record (cut off)": 1,
     }
-    assert (summary["rows_read"], summary["questions"], summary["too_long"]) == (8, 4, 1)
+    assert (summary["rows_read"], summary["questions"], summary["too_long"]) == (8, 5, 1)
+    assert summary["leading_assistant_turns_skipped"] == 1
     assert summary["max_prompt_tokens"] == 448
     kept = [m["content"] for r in read_jsonl(tmp_path / "out" / "heldout.jsonl") for m in r["messages"]]
     kept += [
@@ -258,7 +316,7 @@ def test_a_sharegpt_file_as_shipped_keeps_what_fits_and_counts_every_bad_row_wit
     # A limit the user names lowers it further, and is the reason counted.
     summary = q.run(settings(SAMPLE, tiny_tokenizer, heldout=1, max_prompt_tokens=11), tmp_path / "low")
     assert summary["bad_rows_by_reason"]["prompt over questions.max_prompt_tokens 11"] == summary["too_long"] == 2
-    assert (summary["max_prompt_tokens"], summary["questions"]) == (11, 3)
+    assert (summary["max_prompt_tokens"], summary["questions"]) == (11, 4)
 
 
 def test_the_limit_counts_questions_that_fit(tmp_path, tiny_tokenizer):

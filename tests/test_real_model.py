@@ -1,11 +1,12 @@
 """A real model on real conversations, end to end, as CI can afford it: config/smollm2-sharegpt.yaml
-(SmolLM2-135M-Instruct from its GGUF, ShareGPT V3 as shipped, HumanEval) cut to 32 questions,
-32-token answers, a 512-token context and one epoch. Every stage runs for real: the GGUF
-conversion, questions with ShareGPT's bad rows and over-long prompts dropped and counted,
-generation, a separate extraction by prefill, training, and an evaluation that weighs the
-drafter against vLLM's n-gram lookup and the target alone on held-out chat and on code. The
-stored hidden states are checked against Hugging Face's at the configured layers of this real
-checkpoint, and against their neighbours. The full-size runs are `bench/real_model.py`'s."""
+(SmolLM2-135M-Instruct from its GGUF, ShareGPT V3 as shipped, HumanEval) cut to 28 multi-turn
+conversations (questions.turns: all), 32-token answers, a 512-token context and one epoch. Every
+stage runs for real: the GGUF conversion, questions with ShareGPT's bad rows and over-long
+prompts dropped and counted, generation of every turn in the real chat template, a separate
+extraction by prefill, training, and an evaluation that weighs the drafter against vLLM's
+n-gram lookup and the target alone on held-out chat (every turn) and on code. The stored hidden
+states are checked against Hugging Face's at the configured layers of this real checkpoint, and
+against their neighbours. The full-size runs are `bench/real_model.py`'s."""
 
 import json
 import subprocess
@@ -31,14 +32,16 @@ OPTIONS = {"target alone", "drafter k=3", "ngram k=3"}
 def ci_config() -> dict:
     config = yaml.safe_load(REAL_CONFIG.read_text())
     config["server"]["max_model_len"] = CONTEXT
-    config["questions"] |= {"limit": 32, "heldout": 8}
+    # Every turn of 16 training conversations (about 60 turns); ShareGPT's first 33 records
+    # hold them and 5 prompts over 480 tokens.
+    config["questions"] |= {"limit": 28, "heldout": 12, "turns": "all"}
     config["generation"]["max_tokens"] = ANSWER
     config["dataset"]["seq_length"] = CONTEXT - 1  # extraction asks for one token more
     # A separate extraction: the prefill reference for the parity test below, and the one
     # Snakemake run of that path in CI (the demo, DeepSeek and SLURM runs are one pass).
     config["hidden_states"] = {"capture": "separate"}
     config["training"]["epochs"] = 1
-    config["evaluation"] |= {"max_tokens": ANSWER, "compare_untrained": False}
+    config["evaluation"] |= {"max_tokens": ANSWER, "compare_untrained": False, "limit": 4}
     config["evaluation"]["sets"]["humaneval"]["limit"] = 8
     return config
 
@@ -72,13 +75,37 @@ def test_the_gguf_became_the_fp32_checkpoint_every_stage_read(real_run):
 def test_sharegpts_bad_rows_and_over_long_prompts_are_dropped_and_counted(real_run):
     summary = json.loads((real_run / "questions/summary.json").read_text())
     reasons = summary["bad_rows_by_reason"]
-    print(json.dumps({key: summary[key] for key in ("rows_read", "questions", "too_long", "bad_rows_by_reason")}))
+    keys = (
+        "rows_read",
+        "questions",
+        "train_turns",
+        "too_long",
+        "leading_assistant_turns_skipped",
+        "bad_rows_by_reason",
+    )
+    print(json.dumps({key: summary[key] for key in keys}))
     too_long = [n for reason, n in reasons.items() if reason.startswith(f"prompt over {CONTEXT - ANSWER} tokens")]
     assert too_long == [summary["too_long"]] and summary["too_long"] > 0
-    assert reasons["starts with an assistant turn"] > 0
-    assert (summary["questions"], summary["heldout"]) == (32, 8)
+    assert summary["leading_assistant_turns_skipped"] > 0  # kept from their first user turn
+    assert (summary["questions"], summary["heldout"]) == (28, 12) and summary["train_turns"] > 16
     generation = json.loads((real_run / ".staging/completions/shard_0/summary.json").read_text())
-    assert (generation["answered"], generation["failed"]) == (24, 0), generation
+    print(json.dumps(generation))
+    assert (generation["answered"], generation["failed"]) == (16, 0), generation
+    assert generation["turns_answered"] > 16
+
+
+def test_every_turn_in_the_real_chat_template_is_trained_where_the_target_wrote_it(real_run):
+    """SmolLM2's ChatML renders an earlier answer as the target's own tokens: a conversation's
+    row masks (nearly) every token the target generated in all its turns. A byte-level BPE may
+    encode the text of an answer otherwise than the model generated it; that part is not
+    masked (generate.py)."""
+    records = [json.loads(line) for line in (real_run / "completions/shard_0.jsonl").read_text().splitlines()]
+    generated = sum(record["completion_tokens"] for record in records)
+    masked = sum(sum(record["loss_mask"]) for record in records)
+    turns = sum(record["turns"] for record in records)
+    print(f"{len(records)} conversations, {turns} turns: {masked} of {generated} generated tokens masked")
+    assert max(record["turns"] for record in records) > 1
+    assert masked >= 0.9 * generated, (masked, generated)
 
 
 def test_the_drafter_is_weighed_against_ngram_and_the_target_alone_on_chat_and_code(real_run):

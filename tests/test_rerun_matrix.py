@@ -56,6 +56,7 @@ MATRIX = [
     ("questions.heldout", 50),
     ("questions.shards", 3),
     ("questions.seed", 1),
+    ("questions.turns", "first"),
     ("generation.concurrency", 4),
     ("generation.max_tokens", 48),
     ("questions.max_prompt_tokens", 400),

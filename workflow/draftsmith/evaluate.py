@@ -9,7 +9,9 @@ concurrency of ``evaluation.concurrency`` and each sampling of ``evaluation.samp
 (temperature 0, and the generation's sampling when ``evaluation.sampled``), one phase at
 a time, and records per phase and per category:
 
-- tokens and wall time (throughput), and each request's own latency;
+- tokens and wall time (throughput), and each request's own latency; a conversation of
+  several user turns is one request per turn, each after the target's answer to the one
+  before, and every turn is measured;
 - vLLM's per-request acceptance histogram (``--per-request-spec-decode-metrics``):
   the count of verify steps that accepted exactly ``j`` draft tokens. A vLLM without that
   option (before 0.29, see ``vllm_build``) gives the same histogram per phase and category
@@ -47,6 +49,7 @@ from draftsmith.drafter_kinds import DEFAULT_KIND, FREE_METHODS, KINDS
 from draftsmith.drafter_kinds import speculative_config as kind_speculative_config
 from draftsmith.evaluation_sets import read_prompts
 from draftsmith.progress import Progress, log
+from draftsmith.questions import turn_messages, turn_requests
 from draftsmith.records import Measurement, Phase, Tally, summed
 from draftsmith.run_config import RunConfig
 from draftsmith.server import Endpoint, ServerSpec, counter_totals, read_metrics
@@ -105,16 +108,24 @@ async def run_phase(
         post = chat_poster(session, endpoint)
 
         async def answer(index: int) -> None:
+            """Each user turn in order, after the target's own answer to the one before."""
             prompt = prompts[index]
-            payload = {
-                "model": endpoint.model,
-                "messages": prompt["messages"],
-                "max_tokens": stage.settings.evaluation.max_tokens,
-                **phase.sampling,
-            }
-            started = time.monotonic()
-            response = await post(payload)
-            phase.categories[prompt["category"]].add(response, time.monotonic() - started)
+            parts = turn_requests(prompt["messages"])
+            answers: list[str] = []
+            measured: list[tuple[dict[str, Any], float]] = []
+            while len(answers) < len(parts):
+                payload = {
+                    "model": endpoint.model,
+                    "messages": turn_messages(parts, answers),
+                    "max_tokens": stage.settings.evaluation.max_tokens,
+                    **phase.sampling,
+                }
+                started = time.monotonic()
+                response = await post(payload)
+                measured.append((response, time.monotonic() - started))
+                answers.append(response["choices"][0]["message"].get("content") or "")
+            for response, seconds in measured:  # once every turn is in: a retried conversation counts once
+                phase.categories[prompt["category"]].add(response, seconds)
 
         groups: list[list[int]] = [list(range(len(prompts)))]
         if not per_request:

