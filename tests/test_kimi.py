@@ -68,7 +68,9 @@ def test_trust_remote_code_reaches_every_consumer(kimi, tmp_path, monkeypatch):
             prompt_length.prompt_limit(RunConfig.from_dict(stage_view(kimi, stage)), answer)
         assert seen.pop("tokenizer") is True
     with pytest.raises(RuntimeError, match="stop here"):
-        generate.overlong_prompts(RunConfig.from_dict(stage_view(kimi, "generate")), [{"id": "q", "messages": []}])
+        generate.prompt_meter(
+            RunConfig.from_dict(stage_view(kimi, "generate")), [{"id": "q", "messages": [{"role": "user"}]}]
+        )
     assert seen == {"tokenizer": True}
     # prepare-data, speculators train and every vLLM server get the flag.
     prepare = dataset.prepare_data_command(

@@ -45,11 +45,11 @@ from draftsmith import vllm_build
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.client import SPECULATORS_CLIENT, chat_poster, open_session
+from draftsmith.conversation_turns import turn_messages, turn_requests
 from draftsmith.drafter_kinds import DEFAULT_KIND, FREE_METHODS, KINDS
 from draftsmith.drafter_kinds import speculative_config as kind_speculative_config
 from draftsmith.evaluation_sets import read_prompts
 from draftsmith.progress import Progress, log
-from draftsmith.questions import turn_messages, turn_requests
 from draftsmith.records import Measurement, Phase, Tally, summed
 from draftsmith.run_config import RunConfig
 from draftsmith.server import Endpoint, ServerSpec, counter_totals, read_metrics

@@ -30,10 +30,11 @@ from typing import Any
 
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
+from draftsmith.conversation_turns import Chat
 from draftsmith.errors import DraftsmithError
 from draftsmith.progress import log
 from draftsmith.prompt_length import PromptLimit, prompt_limit
-from draftsmith.questions import FIRST, TOO_LONG, Chat, collect_questions, read_rows
+from draftsmith.questions import FIRST, TOO_LONG, collect_questions, read_rows
 from draftsmith.run_config import EvaluationSetSettings, RunConfig
 
 HELDOUT = "heldout"

@@ -53,11 +53,11 @@ from draftsmith.atomic import atomic_write_text
 from draftsmith.capture_server import VLLM_STORAGE_DIR, extraction_server_args, target_shape
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.client import SPECULATORS_CLIENT, Poster, chat_poster, open_session
+from draftsmith.conversation_turns import first_prompt, turn_messages, turn_requests
 from draftsmith.layout import GENERATION_RECORDS, SUMMARY
 from draftsmith.one_pass import CaptureSpool, captured_state_file, discard_states
 from draftsmith.progress import Progress, log
 from draftsmith.prompt_length import PromptMeter
-from draftsmith.questions import first_prompt, turn_messages, turn_requests
 from draftsmith.run_config import RunConfig
 from draftsmith.server import Endpoint, ServerSpec
 from draftsmith.server_stage import RequestPolicy, ServerStage, StageError

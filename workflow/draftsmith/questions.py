@@ -23,13 +23,14 @@ import hashlib
 import json
 import unicodedata
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
+from draftsmith.conversation_turns import first_prompt
 from draftsmith.errors import DraftsmithError
 from draftsmith.layout import SUMMARY, heldout_file, shard_file
 from draftsmith.progress import log
@@ -43,9 +44,6 @@ TOO_LONG = "too long"  # the count of prompts over the limit (also a bad row wit
 ASSISTANT_ROLES = {"assistant", "gpt", "model", "bot", "chatgpt", "bing", "bard"}
 FIRST, ALL = "first", "all"  # questions.turns
 LEADING_SKIPPED = "leading assistant turns skipped"  # a count, not a bad row
-
-
-Chat = list[dict[str, str]]  # role/content messages, as sent to a chat completion
 
 
 class QuestionsError(DraftsmithError):
@@ -144,30 +142,6 @@ def conversation(row: Any, turns: str = FIRST) -> tuple[tuple[tuple[str, str], .
     if not any(role == "user" for role, _ in messages):
         raise BadRow("no user turn")
     return tuple(messages), leading_skipped
-
-
-def first_prompt(messages: Sequence[Mapping[str, str]]) -> list[Mapping[str, str]]:
-    """The messages up to and including the first user turn: what the first request sends."""
-    first_user = next(i for i, message in enumerate(messages) if message["role"] == "user")
-    return list(messages[: first_user + 1])
-
-
-def turn_requests(messages: Chat) -> list[Chat]:
-    """The messages each turn adds: the first with the system turns, each up to its user turn."""
-    parts: list[Chat] = [[]]
-    for message in messages:
-        parts[-1].append(message)
-        if message["role"] == "user":
-            parts.append([])
-    return parts[:-1]
-
-
-def turn_messages(parts: list[Chat], answers: list[str]) -> Chat:
-    """The request for turn ``len(answers)``: each earlier turn followed by the target's answer."""
-    messages: Chat = []
-    for part, answer in zip(parts, answers, strict=False):
-        messages += [*part, {"role": "assistant", "content": answer}]
-    return messages + parts[len(answers)]
 
 
 def content_hash(messages: tuple[tuple[str, str], ...]) -> str:
