@@ -2,6 +2,7 @@
 the request for one item is a stand-in that fails as a server or network would."""
 
 import asyncio
+import errno
 
 import httpx
 import openai
@@ -92,6 +93,21 @@ def test_a_long_run_of_failures_stops_the_stage_as_a_dead_server():
     with pytest.raises(Failing, match=r"8 rows in a row failed \(last: row \d+: ConnectionRefusedError"):
         send(stage(max_retries=0, concurrency=2), list(range(100)), request)
     assert len(asked) < 20  # it stopped, rather than churn through the shard
+
+
+def test_a_full_disk_stops_the_stage_at_once_rather_than_count_as_a_failed_request():
+    """Staging a finished item is part of its request (per turn, in generation), but a full
+    disk is this machine's: not retried, not counted, raised as itself for the one-line error."""
+    asked = []
+
+    async def request(row):
+        asked.append(row)
+        await asyncio.sleep(0)
+        raise OSError(errno.ENOSPC, "short write", "staging/records.jsonl")
+
+    with pytest.raises(OSError) as raised:
+        send(stage(max_retries=3, concurrency=1), list(range(10)), request)
+    assert raised.value.errno == errno.ENOSPC and len(asked) <= 2  # stopped, not one try per row
 
 
 def test_the_error_budget_names_the_first_failures_and_where_work_is_kept():

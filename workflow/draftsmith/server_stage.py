@@ -20,6 +20,7 @@ the stage's own:
 from __future__ import annotations
 
 import asyncio
+import errno
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -167,7 +168,7 @@ class ServerStage(Generic[Item]):
             async with asyncio.TaskGroup() as group:
                 for item in items:
                     group.create_task(one(item))
-        except* StageError as group_error:
+        except* (StageError, OSError) as group_error:  # OSError: a full disk (_with_retries)
             raise group_error.exceptions[0] from None
         return failures
 
@@ -178,6 +179,8 @@ class ServerStage(Generic[Item]):
             try:
                 return await request(item), None
             except Exception as error:  # noqa: BLE001 - request, network, file: each is counted
+                if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+                    raise  # this machine's full disk, not the request's fault: the stage stops
                 reason = f"{type(error).__name__}: {error}"[:300]
                 if number >= attempts or isinstance(error, not_retried()):
                     return None, reason
