@@ -33,3 +33,8 @@ def turn_messages(parts: list[Chat], answers: list[str]) -> Chat:
     for part, answer in zip(parts, answers, strict=False):
         messages += [*part, {"role": "assistant", "content": answer}]
     return messages + parts[len(answers)]
+
+
+def user_turns(messages: Sequence[Mapping[str, str]]) -> int:
+    """How many turns the conversation asks: its user messages."""
+    return sum(message["role"] == "user" for message in messages)

@@ -30,7 +30,7 @@ from typing import Any
 
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
-from draftsmith.conversation_turns import Chat
+from draftsmith.conversation_turns import Chat, user_turns
 from draftsmith.errors import DraftsmithError
 from draftsmith.progress import log
 from draftsmith.prompt_length import PromptLimit, prompt_limit
@@ -71,10 +71,6 @@ def answerable(messages: Chat, fitting: PromptLimit, answer_tokens: int) -> Chat
     return messages[: users[turns - 1] + 1] if turns else None
 
 
-def _user_turns(messages: Chat) -> int:
-    return sum(message["role"] == "user" for message in messages)
-
-
 def with_turns_that_fit(
     prompts: list[dict[str, Any]], fitting: PromptLimit | None, answer_tokens: int
 ) -> tuple[list[dict[str, Any]], dict[str, int]]:
@@ -85,8 +81,8 @@ def with_turns_that_fit(
         messages = prompt["messages"] if fitting is None else answerable(prompt["messages"], fitting, answer_tokens)
         if messages is not None:
             kept.append({**prompt, "messages": messages})
-            cut += _user_turns(prompt["messages"]) - _user_turns(messages)
-    return kept, {"turns": sum(_user_turns(prompt["messages"]) for prompt in kept), "later_turns_dropped": cut}
+            cut += user_turns(prompt["messages"]) - user_turns(messages)
+    return kept, {"turns": sum(user_turns(prompt["messages"]) for prompt in kept), "later_turns_dropped": cut}
 
 
 def set_prompts(
@@ -140,7 +136,7 @@ def heldout_prompts(
         )
     if limit:
         prompts = prompts[:limit]
-        turn_counts["turns"] = sum(_user_turns(prompt["messages"]) for prompt in prompts)
+        turn_counts["turns"] = sum(user_turns(prompt["messages"]) for prompt in prompts)
     return prompts, {"rows_read": len(rows), "duplicates": 0, "dropped": dropped} | turn_counts
 
 

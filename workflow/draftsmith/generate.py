@@ -53,7 +53,7 @@ from draftsmith.atomic import atomic_write_text
 from draftsmith.capture_server import VLLM_STORAGE_DIR, extraction_server_args, target_shape
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.client import SPECULATORS_CLIENT, Poster, chat_poster, open_session
-from draftsmith.conversation_turns import first_prompt, turn_messages, turn_requests
+from draftsmith.conversation_turns import Chat, first_prompt, turn_messages, turn_requests, user_turns
 from draftsmith.layout import GENERATION_RECORDS, SUMMARY
 from draftsmith.one_pass import CaptureSpool, captured_state_file, discard_states
 from draftsmith.progress import Progress, log
@@ -168,6 +168,12 @@ def finished(record: dict[str, Any] | None) -> bool:
     return record is not None and record.get("ended", LAST_TURN) is not None
 
 
+def next_turn_fits(settings: RunConfig, meter: PromptMeter | None, parts: list[Chat], answers: list[str]) -> bool:
+    """Whether the next turn's prompt, after ``answers``, leaves room for its answer: the
+    questions stage's limit. Without a meter (single-turn questions) nothing is measured."""
+    return meter is None or meter.tokens(turn_messages(parts, answers)) <= settings.question_prompt_limit
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
@@ -261,10 +267,6 @@ async def answer_questions(
     async with open_session(endpoint, stage.policy.concurrency, stage.policy.timeout_s) as session:
         post = chat_poster(session, endpoint)
 
-        def fits(messages: list[dict[str, str]]) -> bool:
-            """Whether a later turn's prompt leaves room for its answer (the questions stage's limit)."""
-            return meter is None or meter.tokens(messages) <= stage.settings.question_prompt_limit
-
         async def answer(question_id: str) -> dict[str, int]:
             parts = turn_requests(by_id[question_id]["messages"])
             counts = {"turns": 0, "truncated": 0}
@@ -283,7 +285,7 @@ async def answer_questions(
                 record = with_answer(question_id, record, answer)
                 if record["turns"] == len(parts):
                     record["ended"] = LAST_TURN
-                elif not fits(turn_messages(parts, record["answers"])):
+                elif not next_turn_fits(stage.settings, meter, parts, record["answers"]):
                     record["ended"] = CONTEXT_FULL
                 if spool is not None:  # before the record: a file without one is dropped on resume
                     if record["ended"] is None:  # an earlier turn: the last one's states cover it
@@ -344,7 +346,7 @@ def publish(
 def prompt_meter(settings: RunConfig, todo: list[dict[str, Any]]) -> PromptMeter | None:
     """The target's tokenizer, when there is a prompt to measure: first prompts on our own
     server (``overlong_prompts``), later turns anywhere. A finished shard loads none."""
-    later_turns = any(sum(m["role"] == "user" for m in q["messages"]) > 1 for q in todo)
+    later_turns = any(user_turns(q["messages"]) > 1 for q in todo)
     if not todo or (settings.generation.endpoint is not None and not later_turns):
         return None
     return PromptMeter(settings.target.model, settings.target.trust_remote_code)
@@ -357,11 +359,10 @@ def reopen_if_they_fit(
     asked from that turn on, their finished turns kept."""
     if meter is None or not ended:
         return
-    limit = settings.question_prompt_limit
     reopened = 0
     for question in ended:
         record = staged[question["id"]]
-        if meter.tokens(turn_messages(turn_requests(question["messages"]), record["answers"])) <= limit:
+        if next_turn_fits(settings, meter, turn_requests(question["messages"]), record["answers"]):
             staged[question["id"]] = {**record, "ended": None}
             reopened += 1
     if reopened:
