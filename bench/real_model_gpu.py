@@ -36,7 +36,7 @@ from results_file import write_result
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "workflow"))
 from draftsmith import vllm_build  # noqa: E402
-from draftsmith.layout import Layout, hidden_state_file, hidden_state_row  # noqa: E402
+from draftsmith.layout import HIDDEN_STATE_GLOB, Layout, hidden_state_file, hidden_state_row  # noqa: E402
 from draftsmith.one_pass import ADOPTED, CUT, CaptureOutcomes  # noqa: E402
 from draftsmith.records import EvaluationSummary, TrainingMetrics  # noqa: E402
 
@@ -94,20 +94,21 @@ def rows_by_capture(layout: Layout) -> dict[str, list[Path]]:
     for shard in layout.extracted_shards():
         outcomes = CaptureOutcomes(layout.staging_for("hidden_states", shard.name.removeprefix("shard_")))
         if not outcomes.rows:
-            groups["extraction"] += sorted(shard.glob("hs_*.safetensors"), key=hidden_state_row)
+            groups["extraction"] += sorted(shard.glob(HIDDEN_STATE_GLOB), key=hidden_state_row)
         for row, outcome in sorted(outcomes.rows.items()):
             groups["one_pass" if outcome in (ADOPTED, CUT) else "extraction"].append(hidden_state_file(shard, row))
     return groups
 
 
-def parity(files: list[Path], target: Path, layers: list[int]) -> dict:
-    """Stored states against Hugging Face's fp32 forward of the same checkpoint on the GPU.
+def parity(groups: dict[str, list[Path]], target: Path, layers: list[int]) -> dict[str, dict]:
+    """Per group of files: stored states against Hugging Face's fp32 forward on the GPU.
 
     vLLM serves in bf16, so a stored state differs from the fp32 forward by bf16 kernel
     rounding; the floor is Hugging Face's own bf16 forward against its fp32 one on the same
     tokens. Per layer: the median token error (relative L2) of the stored states, of the
     floor, and of the nearest wrong candidate (the layer before or after, or the post-norm
-    state for the last layer). A correct layer sits near its floor; a wrong one far above."""
+    state for the last layer). A correct layer sits near its floor; a wrong one far above.
+    The two models load once for every group."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -133,26 +134,31 @@ def parity(files: list[Path], target: Path, layers: list[int]) -> dict:
     def errors(got, want):
         return (got - want).norm(dim=-1) / want.norm(dim=-1)
 
-    per_layer: dict[int, dict[str, list]] = {layer: {"stored": [], "floor": [], "wrong": []} for layer in layers}
-    for path in files:
-        stored = load_file(path)
-        token_ids = stored["token_ids"].tolist()
-        exact, rounded = states(torch.float32, token_ids), states(torch.bfloat16, token_ids)
-        for index, layer in enumerate(layers):
-            want = exact[-1] if layer == last else exact[layer + 1]
-            got = stored["hidden_states"][:, index, :].float().to(device)
-            floor_state = rounded[-1] if layer == last else rounded[layer + 1]
-            wrongs = [exact[layer], exact[-2]] if layer == last else [exact[layer], exact[layer + 2]]
-            per_layer[layer]["stored"].append(errors(got, want))
-            per_layer[layer]["floor"].append(errors(floor_state, want))
-            per_layer[layer]["wrong"].append(torch.stack([errors(got, w) for w in wrongs]).min(dim=0).values)
-    result = {"rows": len(files), "tokens": sum(len(load_file(p)["token_ids"]) for p in files), "layers": {}}
-    for layer, found in per_layer.items():
-        medians = {name: round(torch.cat(values).median().item(), 5) for name, values in found.items()}
-        medians["stored_max"] = round(torch.cat(found["stored"]).max().item(), 5)
-        medians["holds"] = medians["stored"] <= 2 * medians["floor"] + 0.01 < medians["wrong"]
-        result["layers"][str(layer)] = medians
-    return result
+    def of_files(files: list[Path]) -> dict:
+        per_layer: dict[int, dict[str, list]] = {layer: {"stored": [], "floor": [], "wrong": []} for layer in layers}
+        tokens = 0
+        for path in files:
+            stored = load_file(path)
+            token_ids = stored["token_ids"].tolist()
+            tokens += len(token_ids)
+            exact, rounded = states(torch.float32, token_ids), states(torch.bfloat16, token_ids)
+            for index, layer in enumerate(layers):
+                want = exact[-1] if layer == last else exact[layer + 1]
+                got = stored["hidden_states"][:, index, :].float().to(device)
+                floor_state = rounded[-1] if layer == last else rounded[layer + 1]
+                wrongs = [exact[layer], exact[-2]] if layer == last else [exact[layer], exact[layer + 2]]
+                per_layer[layer]["stored"].append(errors(got, want))
+                per_layer[layer]["floor"].append(errors(floor_state, want))
+                per_layer[layer]["wrong"].append(torch.stack([errors(got, w) for w in wrongs]).min(dim=0).values)
+        result = {"rows": len(files), "tokens": tokens, "layers": {}}
+        for layer, found in per_layer.items():
+            medians = {name: round(torch.cat(values).median().item(), 5) for name, values in found.items()}
+            medians["stored_max"] = round(torch.cat(found["stored"]).max().item(), 5)
+            medians["holds"] = medians["stored"] <= 2 * medians["floor"] + 0.01 < medians["wrong"]
+            result["layers"][str(layer)] = medians
+        return result
+
+    return {name: of_files(files) for name, files in groups.items()}
 
 
 def separate_extraction_config(config: dict, work: Path) -> dict:
@@ -202,7 +208,7 @@ def main() -> None:
     wall = {"to_hidden_states": snakemake(config, "main", work, (str(layout.training_view),), gpus=config["gpu_slot"])}
     groups = rows_by_capture(layout)
     chosen = {name: files[: args.parity_rows] for name, files in groups.items() if files}
-    found_parity = {name: parity(files, target, layers) for name, files in chosen.items()}
+    found_parity = parity(chosen, target, layers)
     (work / "parity.json").write_text(json.dumps(found_parity, indent=2) + "\n")
     # The drafter's own measurement next: what a session short of device time most needs.
     drafter_first = tuple(str(layout.drafter_measurement(k)) for k in config["evaluation"]["num_speculative_tokens"])
@@ -243,7 +249,7 @@ def main() -> None:
             separate, "separate_extraction", work, (str(separate_layout.training_view),), gpus=separate["gpu_slot"]
         )
         files = separate_layout.hidden_state_files()[: args.parity_rows]
-        result["parity"]["extraction"] = parity(files, target, layers)
+        result["parity"] |= parity({"extraction": files}, target, layers)
         result["extraction_parity_rows"] = "a separate run's extraction (one pass captured every row)"
         record(result, args.name, work)
 
