@@ -172,3 +172,43 @@ def test_fp8_values_are_checked_dequantized(tmp_path: Path) -> None:
     path = write(tmp_path / "hs_4.safetensors", tensors | {"hidden_states": quantized, SCALES_KEY: scales})
     with pytest.raises(BadSample, match="layer 1 is all zeros at 1 token"):
         check_sample(path, TOKENS, LAYERS, HIDDEN, torch.float8_e4m3fn)
+
+
+def test_already_gated_rows_are_only_checked_for_presence(tmp_path: Path) -> None:
+    rows = {row: TOKENS for row in range(3)}
+    bad = good_tensors()
+    bad["hidden_states"][:, 0, :] = 0
+    write(hidden_state_file(tmp_path, 0), bad)
+    write(hidden_state_file(tmp_path, 1), good_tensors())
+    with pytest.raises(BadSample) as caught:
+        check_shard(tmp_path, rows, LAYERS, HIDDEN, DTYPE, already_gated={0, 1, 2})
+    message = str(caught.value)
+    assert message.startswith("1 of 3 samples") and "hs_2.safetensors: file is missing" in message
+    with pytest.raises(BadSample, match="1 of 2 samples"):
+        check_shard(tmp_path, {0: TOKENS, 1: TOKENS}, LAYERS, HIDDEN, DTYPE, already_gated={1})
+
+
+def test_a_present_file_that_cannot_be_opened_is_not_called_missing(tmp_path: Path) -> None:
+    """safetensors reports any failure to open as "not found"; out of descriptors, the gate says
+    so (a GPU run once had 1,481 present files reported missing)."""
+    import os
+    import resource
+
+    path = write(tmp_path / "hs_0.safetensors", good_tensors())
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    filler: list[int] = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+        while True:
+            try:
+                filler.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:
+                break
+        with pytest.raises(BadSample) as caught:
+            check_sample(path, TOKENS, LAYERS, HIDDEN, DTYPE)
+    finally:
+        for descriptor in filler:
+            os.close(descriptor)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    message = str(caught.value)
+    assert "present but could not be opened" in message and "ulimit -n" in message, message
