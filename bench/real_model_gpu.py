@@ -15,7 +15,7 @@ and records, from the run's own files:
   extraction that shares the target), with the neighbouring layers' distance;
 - the recommendation the run made.
 
-    python bench/real_model_gpu.py [--draft-lengths 3] [--parity-rows 8] [--config FILE]
+    python bench/real_model_gpu.py [--draft-lengths 3] [--epochs 2] [--parity-rows 8] [--config FILE]
 
 ``--config`` runs another config of the same shape (a CPU rehearsal of the bench at a tiny size).
 
@@ -79,6 +79,7 @@ def measured_so_far(config: dict, layout: Layout) -> dict:
     metrics = TrainingMetrics.read(layout.drafter) if layout.training_metrics.is_file() else None
     return {
         "questions": json.loads(layout.questions_summary.read_text()),
+        "epochs": config["training"]["epochs"],
         "job_seconds": job_seconds(layout),
         "validation": [{"epoch": e["epoch"], **e.get("val", {})} for e in metrics.epochs] if metrics else None,
         "published_epoch": metrics.published_epoch if metrics else None,
@@ -176,6 +177,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draft-lengths", type=int, nargs="+", help="evaluate only these k (default: the config's)")
     parser.add_argument("--parity-rows", type=int, default=8)
+    parser.add_argument("--epochs", type=int, help="train this many epochs (default: the config's)")
     parser.add_argument("--work", type=Path, default=ROOT / "results/bench_real_model_gpu")
     parser.add_argument("--config", type=Path, default=CONFIG)
     parser.add_argument("--name", default="real_model_gpu", help="the results file's name")
@@ -188,6 +190,8 @@ def main() -> None:
     config = yaml.safe_load(args.config.read_text())
     if args.draft_lengths:
         config["evaluation"]["num_speculative_tokens"] = args.draft_lengths
+    if args.epochs:
+        config["training"]["epochs"] = args.epochs
     if args.partial:
         partial = {"config": str(args.config), "complete": False, "note": args.note}
         partial |= measured_so_far(config, Layout(args.partial))
