@@ -340,6 +340,10 @@ def run(
     reset_if_changed(paths, args, settings.training.epochs, software)
     drop_unfinished_epoch(paths)
     requests = 0
+    if settings.device == "cuda":
+        # A quiet log then is not a hang (minutes on an H100 even for a 135M target's drafter:
+        # docs/gpu.md, "The fourth time").
+        log("the first step and the first validation compile the drafter (torch.compile): minutes without output")
     with capture_server(settings, paths, inputs) as endpoint:
         run_trainer(with_endpoint(command, endpoint), paths.metrics, settings.training.stall_timeout_s)
         if endpoint is not None:
