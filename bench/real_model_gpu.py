@@ -31,7 +31,7 @@ from pathlib import Path
 
 import yaml
 from real_model import per_set, snakemake
-from results_file import write_result
+from results_file import RESULTS, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "workflow"))
@@ -198,6 +198,7 @@ def main() -> None:
         if args.parity:
             partial["parity"] = json.loads(args.parity.read_text())
         write_result(args.name, partial)
+        plot(partial, RESULTS / f"{args.name}.png")
         return
     import torch
 
@@ -258,10 +259,44 @@ def main() -> None:
         record(result, args.name, work)
 
 
+def plot(result: dict, path: Path) -> None:
+    """Per draft length: tokens/s (bars) and tokens a target step (labels) of each method
+    measured, per set and concurrency; a method not yet measured is left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        (k, concurrency, methods)
+        for k, by_concurrency in sorted(result["greedy"].items(), key=lambda item: int(item[0]))
+        for concurrency, methods in sorted(by_concurrency.items(), key=lambda item: int(item[0]))
+    ]
+    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for axis, (k, concurrency, methods) in zip(axes[0], panels, strict=True):
+        measured = {method: sets for method, sets in methods.items() if sets}
+        names = sorted({name for sets in measured.values() for name in sets})
+        width = 0.8 / max(len(measured), 1)
+        for offset, (method, sets) in enumerate(measured.items()):
+            xs = [i + offset * width for i, name in enumerate(names) if name in sets]
+            rates = [sets[name]["tokens_per_s"] for name in names if name in sets]
+            bars = axis.bar(xs, rates, width, label=method)
+            steps = [sets[name].get("tokens_per_step") for name in names if name in sets]
+            axis.bar_label(bars, labels=[f"{s:.2f}/step" if s else "" for s in steps], fontsize=8)
+        axis.set_xticks([i + width * (len(measured) - 1) / 2 for i in range(len(names))], labels=names)
+        axis.set_title(f"k={k}, concurrency {concurrency}, greedy")
+        axis.set_ylabel("tokens/s")
+        axis.margins(y=0.2)  # room for the legend above the bars
+        axis.legend(ncol=len(measured), loc="upper center", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path)
+
+
 def record(result: dict, name: str, work: Path) -> None:
     write_result(name, result)
     # Beside the run too: on a borrowed machine the repository's new files may not outlive a call.
     (work / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, RESULTS / f"{name}.png")
 
 
 if __name__ == "__main__":
