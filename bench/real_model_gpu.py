@@ -193,7 +193,7 @@ def main() -> None:
     if args.epochs:
         config["training"]["epochs"] = args.epochs
     if args.partial:
-        partial = {"config": str(args.config), "complete": False, "note": args.note}
+        partial = {"config": shown(args.config), "complete": False, "note": args.note}
         partial |= measured_so_far(config, Layout(args.partial))
         if args.parity:
             partial["parity"] = json.loads(args.parity.read_text())
@@ -229,7 +229,7 @@ def main() -> None:
     generate_s = sum(s for name, s in seconds.items() if name.startswith("generate"))
     train_s = seconds.get("train", 0.0)
     result = {
-        "config": str(args.config),
+        "config": shown(args.config),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "vllm": str(vllm_build.installed_version()),
         "torch": torch.__version__,
@@ -290,6 +290,12 @@ def plot(result: dict, path: Path) -> None:
         axis.legend(ncol=len(measured), loc="upper center", fontsize=8)
     figure.tight_layout()
     figure.savefig(path)
+
+
+def shown(config: Path) -> str:
+    """The config's path as results files name it: from the repository's root when inside it."""
+    config = config.resolve()
+    return str(config.relative_to(ROOT)) if config.is_relative_to(ROOT) else str(config)
 
 
 def record(result: dict, name: str, work: Path) -> None:
