@@ -3,7 +3,7 @@
 # profiles/slurm-cpu by hand.  Debian 12 packages, run as root, idempotent:
 #
 #   sudo tests/slurm/setup_cluster.sh          # install (once), configure, start, wait for idle
-#   sudo tests/slurm/setup_cluster.sh --stop   # stop the daemons this script started
+#   sudo tests/slurm/setup_cluster.sh --stop   # stop the daemons this script started (munged too)
 #
 # The cluster: one controller and NODES compute nodes (default 2: node1, node2), every node
 # a slurmd on this host (NodeHostname=localhost, one port each) that offers the host's CPUs
@@ -21,6 +21,7 @@ LOGDIR=/var/log/slurm
 RUNDIR=/run/slurm
 JOBCOMP=${JOBCOMP:-$LOGDIR/jobcomp.log}
 WAIT_S=${WAIT_S:-120}  # a restart can wait ~60 s for the old slurmd port
+MUNGED_OURS=/run/munge/started-by-setup-cluster
 
 log() { echo "setup_cluster: $*" >&2; }
 die() { log "$*"; exit 1; }
@@ -48,6 +49,11 @@ stop_daemons() {
 
 if [ "${1:-}" = "--stop" ]; then
     stop_daemons
+    # munged too, when this script started it (a munged the host runs for itself stays).
+    if [ -f "$MUNGED_OURS" ] && [ -f /run/munge/munged.pid ]; then
+        kill "$(cat /run/munge/munged.pid)" 2>/dev/null && log "stopped munged"
+    fi
+    rm -f "$MUNGED_OURS"
     exit 0
 fi
 
@@ -74,6 +80,7 @@ if ! munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; then
     log "starting munged"
     rm -f /run/munge/munged.pid
     runuser -u munge -- /usr/sbin/munged --force
+    touch "$MUNGED_OURS"
     for _ in $(seq 50); do
         munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1 && break
         sleep 0.1
