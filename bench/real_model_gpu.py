@@ -278,10 +278,10 @@ def plot(result: dict, path: Path) -> None:
         names = sorted({name for sets in measured.values() for name in sets})
         width = 0.8 / max(len(measured), 1)
         for offset, (method, sets) in enumerate(measured.items()):
-            xs = [i + offset * width for i, name in enumerate(names) if name in sets]
-            rates = [sets[name]["tokens_per_s"] for name in names if name in sets]
-            bars = axis.bar(xs, rates, width, label=method)
-            steps = [sets[name].get("tokens_per_step") for name in names if name in sets]
+            present = [(i, sets[name]) for i, name in enumerate(names) if name in sets]
+            xs = [i + offset * width for i, _ in present]
+            bars = axis.bar(xs, [one["tokens_per_s"] for _, one in present], width, label=method)
+            steps = [one.get("tokens_per_step") for _, one in present]
             axis.bar_label(bars, labels=[f"{s:.2f}/step" if s else "" for s in steps], fontsize=8)
         axis.set_xticks([i + width * (len(measured) - 1) / 2 for i in range(len(names))], labels=names)
         axis.set_title(f"k={k}, concurrency {concurrency}, greedy")
