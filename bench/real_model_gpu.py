@@ -218,6 +218,15 @@ def main() -> None:
     # The drafter's own measurement next: what a session short of device time most needs.
     drafter_first = tuple(str(layout.drafter_measurement(k)) for k in config["evaluation"]["num_speculative_tokens"])
     wall["to_drafter_measurement"] = snakemake(config, "main", work, drafter_first, gpus=config["gpu_slot"])
+    # Then what it must beat in tokens a step, n-gram lookup, before the target alone.
+    evaluation = config["evaluation"]
+    free_first = tuple(
+        str(layout.free_method_measurement(method, k))
+        for method in evaluation["free_methods"]
+        for k in evaluation["num_speculative_tokens"]
+    )
+    if free_first:
+        wall["to_free_measurement"] = snakemake(config, "main", work, free_first, gpus=config["gpu_slot"])
     wall["main"] = snakemake(config, "main", work, gpus=config["gpu_slot"])
     measured = measured_so_far(config, layout)
     seconds = measured["job_seconds"]

@@ -46,14 +46,38 @@ collect() {
     cp "$BENCH_LOG" "$OUT/bench.log" 2>/dev/null || true
     for log in results/bench_real_model_gpu/*.log; do [[ -f $log ]] && cp "$log" "$OUT/snakemake_$(basename "$log")"; done
     cp results/bench_real_model_gpu/real_model_gpu.json results/bench_real_model_gpu/parity.json "$OUT/" 2>/dev/null || true
-    # Failed jobs' own logs, so a failure on the machine can be read here.
-    grep -l -i -E "Traceback|Error" results/smollm2-gpu/logs/*.log results/smollm2-gpu/logs/*/*.log 2>/dev/null |
-        head -2 | while read -r log; do cp "$log" "$OUT/failed_$(basename "$(dirname "$log")")_$(basename "$log")"; done
+    # Failed jobs' own logs, so a failure on the machine can be read here (partial.tgz holds
+    # them too; a call brings back at most 8 files, so only once the bench has failed).
+    if [[ -f $HOME_GPU/bench.rc && $(cat "$HOME_GPU/bench.rc") != 0 ]]; then
+        grep -l -i -E "Traceback|Error" results/smollm2-gpu/logs/*.log results/smollm2-gpu/logs/*/*.log 2>/dev/null |
+            head -2 | while read -r log; do cp "$log" "$OUT/failed_$(basename "$(dirname "$log")")_$(basename "$log")"; done
+    fi
+    bring_back_drafter
     # What the run has measured so far, in one small file (a call returns at most 8): a session
     # that runs out of device time before the bench ends still brings these back.
     tar -czf "$OUT/partial.tgz" --ignore-failed-read -C results/smollm2-gpu questions/summary.json \
         benchmarks eval drafter/training_metrics.json logs 2>/dev/null || true
     return 0
+}
+
+bring_back_drafter() {
+    # The trained drafter, so that it outlives the machine: cut into 15 MiB chunks once it is
+    # published, three chunks a call (a call brings back 8 files of at most 16 MiB). Join them
+    # here with `cat drafter.tgz.* | tar -xz` (docs/gpu.md).
+    local drafter=results/smollm2-gpu/drafter chunks=$HOME_GPU/drafter_chunks
+    [[ -f $drafter/config.json ]] || return 0
+    if [[ ! -f $chunks/done ]]; then
+        mkdir -p "$chunks"
+        tar -czf - -C results/smollm2-gpu drafter | split -b 15M -d - "$chunks/drafter.tgz."
+        touch "$chunks/done"
+    fi
+    local sent=0 chunk
+    for chunk in "$chunks"/drafter.tgz.??; do
+        [[ -f $chunk.sent ]] && continue
+        ((sent < 3)) || break
+        cp "$chunk" "$OUT/" && touch "$chunk.sent" && sent=$((sent + 1))
+    done
+    echo "drafter chunks: $(ls "$chunks"/drafter.tgz.*.sent 2>/dev/null | wc -l) of $(ls "$chunks"/drafter.tgz.?? | wc -l) brought back"
 }
 
 follow() {
