@@ -186,6 +186,12 @@ def main() -> None:
     )
     parser.add_argument("--parity", type=Path, help="with --partial: the parity.json the session brought back")
     parser.add_argument("--note", help="with --partial: what the session did differently, in words")
+    parser.add_argument(
+        "--without-drafter",
+        action="store_true",
+        help="measure only n-gram lookup and the target alone (no generation, extraction or training):"
+        " a session with little device time; summarize it with --partial",
+    )
     args = parser.parse_args()
     config = yaml.safe_load(args.config.read_text())
     if args.draft_lengths:
@@ -208,6 +214,15 @@ def main() -> None:
     separate = separate_extraction_config(config, work)
     separate_layout = Layout(separate["results_dir"])
     layers, target = config["layers"], ROOT / config["target"]["model"]
+    evaluation = config["evaluation"]
+    free_first = tuple(
+        str(layout.free_method_measurement(method, k))
+        for method in evaluation["free_methods"]
+        for k in evaluation["num_speculative_tokens"]
+    )
+    if args.without_drafter:
+        snakemake(config, "main", work, (*free_first, str(layout.baseline_measurement)), gpus=config["gpu_slot"])
+        return
     # Parity first, as soon as the hidden states are published: a session that runs out of
     # device time during training or evaluation still brings it back (work/parity.json).
     wall = {"to_hidden_states": snakemake(config, "main", work, (str(layout.training_view),), gpus=config["gpu_slot"])}
@@ -219,12 +234,6 @@ def main() -> None:
     drafter_first = tuple(str(layout.drafter_measurement(k)) for k in config["evaluation"]["num_speculative_tokens"])
     wall["to_drafter_measurement"] = snakemake(config, "main", work, drafter_first, gpus=config["gpu_slot"])
     # Then what it must beat in tokens a step, n-gram lookup, before the target alone.
-    evaluation = config["evaluation"]
-    free_first = tuple(
-        str(layout.free_method_measurement(method, k))
-        for method in evaluation["free_methods"]
-        for k in evaluation["num_speculative_tokens"]
-    )
     if free_first:
         wall["to_free_measurement"] = snakemake(config, "main", work, free_first, gpus=config["gpu_slot"])
     wall["main"] = snakemake(config, "main", work, gpus=config["gpu_slot"])
