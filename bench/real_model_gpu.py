@@ -221,7 +221,11 @@ def main() -> None:
         for k in evaluation["num_speculative_tokens"]
     )
     if args.without_drafter:
-        snakemake(config, "main", work, (*free_first, str(layout.baseline_measurement)), gpus=config["gpu_slot"])
+        # The first draft length's beside the target alone first, then the other lengths.
+        first_k = evaluation["num_speculative_tokens"][0]
+        first = [str(layout.free_method_measurement(method, first_k)) for method in evaluation["free_methods"]]
+        snakemake(config, "main", work, (*first, str(layout.baseline_measurement)), gpus=config["gpu_slot"])
+        snakemake(config, "main", work, free_first, gpus=config["gpu_slot"])
         return
     # Parity first, as soon as the hidden states are published: a session that runs out of
     # device time during training or evaluation still brings it back (work/parity.json).
