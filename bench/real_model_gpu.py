@@ -214,17 +214,16 @@ def main() -> None:
     separate = separate_extraction_config(config, work)
     separate_layout = Layout(separate["results_dir"])
     layers, target = config["layers"], ROOT / config["target"]["model"]
-    evaluation = config["evaluation"]
-    free_first = tuple(
-        str(layout.free_method_measurement(method, k))
-        for method in evaluation["free_methods"]
-        for k in evaluation["num_speculative_tokens"]
-    )
+    draft_lengths, free_methods = config["evaluation"]["num_speculative_tokens"], config["evaluation"]["free_methods"]
+
+    def free_measurements(lengths: list[int]) -> tuple[str, ...]:
+        return tuple(str(layout.free_method_measurement(method, k)) for method in free_methods for k in lengths)
+
+    free_first = free_measurements(draft_lengths)
     if args.without_drafter:
-        # The first draft length's beside the target alone first, then the other lengths.
-        first_k = evaluation["num_speculative_tokens"][0]
-        first = [str(layout.free_method_measurement(method, first_k)) for method in evaluation["free_methods"]]
-        snakemake(config, "main", work, (*first, str(layout.baseline_measurement)), gpus=config["gpu_slot"])
+        # The free methods at the first draft length and the target alone, then the other lengths.
+        first = (*free_measurements(draft_lengths[:1]), str(layout.baseline_measurement))
+        snakemake(config, "main", work, first, gpus=config["gpu_slot"])
         snakemake(config, "main", work, free_first, gpus=config["gpu_slot"])
         return
     # Parity first, as soon as the hidden states are published: a session that runs out of
@@ -235,7 +234,7 @@ def main() -> None:
     found_parity = parity(chosen, target, layers)
     (work / "parity.json").write_text(json.dumps(found_parity, indent=2) + "\n")
     # The drafter's own measurement next: what a session short of device time most needs.
-    drafter_first = tuple(str(layout.drafter_measurement(k)) for k in config["evaluation"]["num_speculative_tokens"])
+    drafter_first = tuple(str(layout.drafter_measurement(k)) for k in draft_lengths)
     wall["to_drafter_measurement"] = snakemake(config, "main", work, drafter_first, gpus=config["gpu_slot"])
     # Then what it must beat in tokens a step, n-gram lookup, before the target alone.
     if free_first:
