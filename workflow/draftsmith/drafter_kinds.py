@@ -19,6 +19,9 @@ from typing import Any
 from draftsmith import vllm_build
 
 DEFAULT_KIND = "eagle3"  # the drafter the workflow has always trained: drafter/, eval/drafter_k<k>
+# The method name of the starting drafter (training.from_pretrained) in the evaluation: the
+# published drafter before the run's data, eval/start_k<k>.
+START_METHOD = "start"
 
 
 @dataclass(frozen=True)

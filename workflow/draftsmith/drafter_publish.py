@@ -114,14 +114,15 @@ def publish(
     split: RowSplit | None = None,
     capture_requests: int = 0,
     kind: str = "eagle3",
+    started_from: str | None = None,
 ) -> None:
     """``split``: where the rows came from (stored or captured); ``capture_requests``: the
-    requests the capture server answered."""
+    requests the capture server answered; ``started_from``: the drafter fine-tuned, in words."""
     partial = paths.staging / "drafter.partial"
     shutil.rmtree(partial, ignore_errors=True)
     stage_drafter(epoch_dir, plan, partial, kind)
     published = int(epoch_dir.name) if epoch_dir.name.isdigit() else None  # None: untrained
-    metrics = TrainingMetrics(published, epoch_metrics(paths.metrics))
+    metrics = TrainingMetrics(published, epoch_metrics(paths.metrics), started_from=started_from)
     if split is not None:
         metrics = dataclasses.replace(
             metrics, rows_stored=split.stored, rows_captured_per_epoch=split.captured, capture_requests=capture_requests

@@ -342,6 +342,7 @@ def run(
     granted_gpus: int | None,
     default_only: bool = False,
     kind: str | None = None,
+    start: bool = False,
 ) -> Measurement:
     stage = evaluation_stage(settings)
     stage.begin(granted_gpus)
@@ -359,7 +360,7 @@ def run(
     if attention.mla_disabled:
         log(attention.reason)
     log(f"evaluating on {len(prompts)} prompts in {len({p['set'] for p in prompts})} set(s)")
-    result = dataclasses.replace(measure(stage, prompts, speculation, attention, default_only), kind=kind)
+    result = dataclasses.replace(measure(stage, prompts, speculation, attention, default_only), kind=kind, start=start)
     atomic_write_text(output, result.to_json())
     return result
 
@@ -378,6 +379,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--default-only", action="store_true", help="greedy at the first concurrency only (the untrained drafter)"
     )
+    parser.add_argument("--start", action="store_true", help="the starting drafter (training.from_pretrained)")
     args = parser.parse_args(argv)
     settings = read_settings(args.settings, args.stage)
     speculation = None
@@ -385,7 +387,7 @@ def main(argv: list[str] | None = None) -> None:
         speculation = speculative_config(args.drafter, args.num_speculative_tokens, args.kind or DEFAULT_KIND)
     elif args.method is not None:
         speculation = free_method_config(args.method, args.num_speculative_tokens)
-    run(settings, args.prompts, speculation, args.output, args.granted_gpus, args.default_only, args.kind)
+    run(settings, args.prompts, speculation, args.output, args.granted_gpus, args.default_only, args.kind, args.start)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, on machines without a display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from draftsmith.drafter_kinds import FREE_METHODS  # noqa: E402
+from draftsmith.drafter_kinds import FREE_METHODS, START_METHOD  # noqa: E402
 from draftsmith.records import (  # noqa: E402
     WHOLE_SET,
     CategoryResult,
@@ -34,10 +34,21 @@ def choice_text(row: Recommendation) -> str:
 
 
 def serve_text(row: Recommendation) -> str:
-    """How what to serve was chosen, in words."""
-    if row.serve_chosen_by == "throughput":
-        return "fastest beyond noise"
-    return f"{', '.join(row.serve_within_noise)} within noise: most tokens per step"
+    """How what to serve was chosen, in words; when the starting drafter beats the one trained
+    from it, that the run's data made it worse."""
+    why = (
+        "fastest beyond noise"
+        if row.serve_chosen_by == "throughput"
+        else f"{', '.join(row.serve_within_noise)} within noise: most tokens per step"
+    )
+    if not row.serve.startswith(f"{START_METHOD} "):
+        return why
+    trained = row.options[f"drafter k={row.num_speculative_tokens}"]
+    started = row.options[row.serve]
+    return (
+        f"{why}; the starting drafter, not the one fine-tuned from it: your data made it worse "
+        f"(tokens per step {started.tokens_per_step:.2f} before it, {trained.tokens_per_step:.2f} after)"
+    )
 
 
 def is_drafter_row(row: ResultRow) -> bool:
@@ -49,7 +60,7 @@ def sampling_name(value: float) -> str:
 
 
 def plot_acceptance(result: EvaluationSummary, path: Path) -> None:
-    """Left: the held-out set per position, trained vs untrained. Right: every set and category
+    """Left: the held-out set per position, trained vs the starting drafter and untrained. Right: every set and category
     per position at the longest draft length."""
     drafter_rows = [row for row in result.results if is_drafter_row(row)]
     longest = max(row.num_speculative_tokens for row in drafter_rows)
@@ -66,14 +77,15 @@ def plot_acceptance(result: EvaluationSummary, path: Path) -> None:
         1, 2, figsize=(13, max(4, 0.4 * len(rows) + 1.5)), gridspec_kw={"width_ratios": [1, 1.4]}
     )
     positions = range(1, len(result.acceptance_per_position) + 1)
-    left.bar([p - 0.2 for p in positions], result.acceptance_per_position, width=0.4, label="trained drafter")
+    bars = [("trained drafter", result.acceptance_per_position)]
+    if result.start_acceptance_per_position is not None:
+        bars.append(("starting drafter, before your data", result.start_acceptance_per_position))
     if result.untrained_acceptance_per_position is not None:
-        left.bar(
-            [p + 0.2 for p in positions],
-            result.untrained_acceptance_per_position,
-            width=0.4,
-            label="untrained drafter",
-        )
+        bars.append(("untrained drafter", result.untrained_acceptance_per_position))
+    width = 0.8 / len(bars)
+    for index, (label, values) in enumerate(bars):
+        offset = (index - (len(bars) - 1) / 2) * width
+        left.bar([p + offset for p in positions], values, width=width, label=label)
     left.set(
         xlabel="draft position",
         ylabel="acceptance rate",

@@ -39,6 +39,7 @@ from typing import Any
 
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
+from draftsmith.drafter_kinds import START_METHOD
 from draftsmith.evaluate import (
     acceptance_length,
     accepted_tokens,
@@ -232,10 +233,11 @@ def recommend(
     baseline: Measurement,
     free_methods: dict[str, dict[int, Measurement]] | None = None,
     kinds: dict[str, dict[int, Measurement]] | None = None,
+    start: dict[int, Measurement] | None = None,
 ) -> list[Recommendation]:
-    """For each (sampling, concurrency): the drafter's best draft length, each free method's
-    and each other kind of drafter's, and of those and the target alone, what to serve
-    (module docstring)."""
+    """For each (sampling, concurrency): the drafter's best draft length, each free method's,
+    the starting drafter's and each other kind of drafter's, and of those and the target
+    alone, what to serve (module docstring)."""
     alone = pooled(baseline)
     measured = {k: pooled(job) for k, job in drafters.items()}
     free_measured = {
@@ -243,6 +245,8 @@ def recommend(
     }
     kinds = kinds or {}
     kinds_measured = {kind: {k: pooled(job) for k, job in jobs.items()} for kind, jobs in kinds.items()}
+    start = start or {}
+    start_measured = {k: pooled(job) for k, job in start.items()}
     rows = []
     for key in sorted(alone):
         at = {k: measured[k][key] for k in sorted(measured)}
@@ -255,6 +259,12 @@ def recommend(
             configs[f"{method} k={method_best}"] = free_method_config(method, method_best)
             options[f"{method} k={method_best}"] = method_at[method_best]
         free_options = list(options)[2:]
+        if start_measured:  # the published drafter before the run's data: served as it came
+            start_at = {k: start_measured[k][key] for k in sorted(start_measured)}
+            start_best, _ = choose(start_at, sorted(start_at))
+            name = f"{START_METHOD} k={start_best}"
+            configs[name] = speculative_config(Path(str(start[start_best].drafter)), start_best)
+            options[name] = start_at[start_best]
         for kind, by_length in kinds_measured.items():
             kind_at = {k: by_length[k][key] for k in sorted(by_length)}
             kind_best, _ = choose(kind_at, sorted(kind_at))
@@ -305,6 +315,7 @@ def headline(
     concurrency: int,
     results: list[SetResult | CategoryResult],
     recommendation: list[Recommendation],
+    start: Measurement | None = None,
 ) -> EvaluationSummary:
     """The summary, with at its top level the numbers read first: held-out, the default draft
     length and concurrency, greedy."""
@@ -315,6 +326,7 @@ def headline(
         _speed(base.completion_tokens, base_phase.seconds),
     )
     untrained_tally = _default_measurement(untrained, concurrency)[1] if untrained else None
+    start_tally = _default_measurement(start, concurrency)[1] if start else None
     return EvaluationSummary(
         acceptance_length=round(acceptance_length(tally), 4),
         max_acceptance_length=k + 1,
@@ -332,6 +344,8 @@ def headline(
         if untrained_tally is not None
         else None,
         untrained_acceptance_per_position=per_position(untrained_tally, k) if untrained_tally is not None else None,
+        start_acceptance_length=round(acceptance_length(start_tally), 4) if start_tally is not None else None,
+        start_acceptance_per_position=per_position(start_tally, k) if start_tally is not None else None,
         mla_disabled=drafter.mla_disabled,
         mla_disabled_because=drafter.mla_disabled_because if drafter.mla_disabled else None,
         results=results,
@@ -362,15 +376,17 @@ def summarize(
     untrained: Measurement | None,
     free_methods: dict[str, dict[int, Measurement]] | None = None,
     kinds: dict[str, dict[int, Measurement]] | None = None,
+    start: dict[int, Measurement] | None = None,
 ) -> EvaluationSummary:
     k, concurrency = settings.evaluation.draft_lengths[0], settings.evaluation.concurrencies[0]
-    free_methods, kinds = free_methods or {}, kinds or {}
+    free_methods, kinds, start = free_methods or {}, kinds or {}, start or {}
     jobs = [drafters[length] for length in sorted(drafters)]
+    jobs += [start[length] for length in sorted(start)]
     for others in (free_methods, kinds):
         jobs += [others[name][length] for name in sorted(others) for length in sorted(others[name])]
     results = [row for job in jobs for row in result_rows(job, baseline)]
-    recommendation = recommend(drafters, baseline, free_methods, kinds)
-    return headline(drafters[k], baseline, untrained, k, concurrency, results, recommendation)
+    recommendation = recommend(drafters, baseline, free_methods, kinds, start)
+    return headline(drafters[k], baseline, untrained, k, concurrency, results, recommendation, start.get(k))
 
 
 def by_method_and_length(jobs: list[Measurement]) -> dict[str, dict[int, Measurement]]:
@@ -388,12 +404,14 @@ def run(
     outputs: dict[str, Path],
     free_method_jobs: list[Path] | None = None,
     kind_jobs: list[Path] | None = None,
+    start_jobs: list[Path] | None = None,
 ) -> EvaluationSummary:
     drafters = {drafter_length(job): job for job in map(Measurement.read, drafter_jobs)}
+    start = {drafter_length(job): job for job in map(Measurement.read, start_jobs or [])}
     untrained_job = Measurement.read(untrained) if untrained else None
     free_methods = by_method_and_length([Measurement.read(job) for job in free_method_jobs or []])
     kinds = by_method_and_length([Measurement.read(job) for job in kind_jobs or []])
-    result = summarize(settings, Measurement.read(baseline), drafters, untrained_job, free_methods, kinds)
+    result = summarize(settings, Measurement.read(baseline), drafters, untrained_job, free_methods, kinds, start)
     plot_acceptance(result, outputs["acceptance_plot"])
     plot_speedup(result, outputs["speedup_plot"])
     atomic_write_text(outputs["tables"], tables_html(result))
@@ -421,6 +439,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--untrained", type=Path, default=None)
     parser.add_argument("--free-method-jobs", nargs="*", type=Path, default=[])
     parser.add_argument("--kind-jobs", nargs="*", type=Path, default=[], help="other kinds of drafter (training.kinds)")
+    parser.add_argument("--start-jobs", nargs="*", type=Path, default=[], help="the starting drafter (from_pretrained)")
     for name in ("acceptance", "spec-config", "acceptance-plot", "speedup-plot", "tables"):
         parser.add_argument(f"--{name}", required=True, type=Path)
     args = parser.parse_args(argv)
@@ -439,6 +458,7 @@ def main(argv: list[str] | None = None) -> None:
         outputs,
         args.free_method_jobs,
         args.kind_jobs,
+        args.start_jobs,
     )
 
 

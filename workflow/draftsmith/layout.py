@@ -156,6 +156,11 @@ class Layout:
     def untrained_drafter(self) -> Path:
         return self.results / "untrained_drafter"
 
+    @property
+    def start_drafter(self) -> Path:
+        """The drafter training.from_pretrained names, copied or converted (start_drafter.py)."""
+        return self.results / "start_drafter"
+
     # evaluation (it owns the serving config: num_speculative_tokens is its setting)
     @property
     def speculative_config(self) -> Path:
@@ -182,6 +187,9 @@ class Layout:
 
     def untrained_measurement(self, k: int | str) -> Path:
         return self.evaluation / f"untrained_k{k}.json"
+
+    def start_measurement(self, k: int | str) -> Path:
+        return self.evaluation / f"start_k{k}.json"
 
     def free_method_measurement(self, method: str, k: int | str) -> Path:
         return self.evaluation / f"{method}_k{k}.json"

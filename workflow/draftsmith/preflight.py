@@ -46,6 +46,7 @@ from draftsmith.plan import configured_mode, existing_parent, fitting_budget, pl
 from draftsmith.questions import first_row_problem, is_local_source
 from draftsmith.run_config import EvaluationSetSettings, QuestionsSettings, RunConfig
 from draftsmith.serving import MLA_DISABLE_ENV, ServingError, evaluation_attention, mla_latent_problem
+from draftsmith.start_drafter import compatibility_problems, read_drafter
 from draftsmith.target import TargetShape, draft_vocab_problem, read_target_shape
 from draftsmith.vllm_build import module_file
 
@@ -298,7 +299,32 @@ def check_target(settings: RunConfig) -> list[str]:
         )
     if vocab_problem := draft_vocab_problem(settings.training.draft_vocab_size, target.vocab_size):
         problems.append(vocab_problem)
+    if not problems:
+        problems += check_start_drafter(settings, target)
     return problems + check_serving(target, settings)
+
+
+def check_start_drafter(settings: RunConfig, target: TargetShape | None = None) -> list[str]:
+    """The drafter training.from_pretrained names: a drafter at all (always), and made for this
+    target and config (once the target can be read): one line each, from its config and the
+    headers of its weights."""
+    source = settings.training.from_pretrained
+    if source is None:
+        return []
+    try:
+        facts = read_drafter(Path(source).expanduser())
+    except DraftsmithError as error:
+        return [str(error)]
+    if target is None:
+        return []
+    return compatibility_problems(
+        facts,
+        hidden_size=target.hidden_size,
+        vocab_size=target.vocab_size,
+        plan=resolve_layers(list(settings.layers), target.num_hidden_layers),
+        draft_vocab_size=settings.training.draft_vocab_size,
+        target_name=settings.target.model,
+    )
 
 
 def configured_sources(settings: RunConfig) -> dict[str, QuestionsSettings | EvaluationSetSettings]:
@@ -313,11 +339,17 @@ def configured_sources(settings: RunConfig) -> dict[str, QuestionsSettings | Eva
 def check_local_inputs(settings: RunConfig) -> list[str]:
     """Every local path the config names exists. Snakemake does not look at the inputs of
     a finished job, so a mistyped path after a run would otherwise pass as "nothing to do"."""
-    return [
+    problems = [
         f"{key} {spec.source} does not exist (a local path, not a hub id); fix the path in the config"
         for key, spec in configured_sources(settings).items()
         if is_local_source(spec.source) and not Path(spec.source).expanduser().exists()
     ]
+    start = settings.training.from_pretrained
+    if start is not None and not Path(start).expanduser().exists():
+        problems.append(
+            f"training.from_pretrained {start} does not exist (a local drafter directory); fix the path in the config"
+        )
+    return problems
 
 
 def check_hub_sources(settings: RunConfig) -> list[str]:
@@ -460,6 +492,8 @@ def run_checks(
     if target:
         target_problems = check_target(settings)
         problems += target_problems or check_disk(settings, results) + check_capture_memory(settings)
+    else:
+        problems += check_start_drafter(settings)
     return problems
 
 

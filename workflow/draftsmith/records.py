@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Self
 
 from draftsmith.atomic import atomic_write_text
+from draftsmith.drafter_kinds import START_METHOD
 from draftsmith.errors import DraftsmithError
 from draftsmith.layout import CAPTURED_ROWS, ROW_IDS, SHARD_MANIFEST, TRAINING_METRICS
 
@@ -111,6 +112,8 @@ class TrainingMetrics(_Record):
     rows_stored: int | None = None
     rows_captured_per_epoch: int | None = None
     capture_requests: int | None = None
+    # The drafter training started from (training.from_pretrained), in words; None: from scratch.
+    started_from: str | None = None
 
     def write(self, drafter: Path) -> None:
         atomic_write_text(drafter / TRAINING_METRICS, self.to_json())
@@ -119,6 +122,19 @@ class TrainingMetrics(_Record):
     def read(cls, drafter_or_file: Path) -> TrainingMetrics:
         path = drafter_or_file / TRAINING_METRICS if drafter_or_file.is_dir() else drafter_or_file
         return cls.from_json(path.read_text())
+
+
+@dataclass(frozen=True)
+class DrafterOrigin(_FileRecord):
+    """Where the starting drafter (start_drafter.py) came from, kept beside it: the directory the
+    config named, its layout, what it reads, and the sha256 of its content (the training job
+    resumes its checkpoints only for the same content)."""
+
+    FILE_NAME: ClassVar[str] = "origin.json"
+    source: str
+    layout: str
+    summary: str
+    sha256: str
 
 
 @dataclass
@@ -201,6 +217,9 @@ class Measurement(_Record):
     # The kind of drafter (training.kinds) when not EAGLE-3's: P-EAGLE is served by vLLM's
     # eagle3 method, so the method alone does not tell the kinds apart.
     kind: str | None = None
+    # The starting drafter (training.from_pretrained) before the run's data: an EAGLE-3 drafter
+    # like the trained one, told apart by this mark.
+    start: bool = False
 
     @property
     def speculative_method(self) -> str | None:
@@ -208,8 +227,8 @@ class Measurement(_Record):
 
     @property
     def name(self) -> str | None:
-        """What the report calls it: the kind of drafter, or the method."""
-        return self.kind or self.speculative_method
+        """What the report calls it: the starting drafter, the kind of drafter, or the method."""
+        return START_METHOD if self.start else self.kind or self.speculative_method
 
     def to_json(self) -> str:
         values: dict[str, Any] = {
@@ -225,6 +244,8 @@ class Measurement(_Record):
             values["method"] = self.method
         if self.kind is not None:
             values["kind"] = self.kind
+        if self.start:
+            values["start"] = True
         return json.dumps(values, indent=2) + "\n"
 
     @classmethod
@@ -391,6 +412,9 @@ class EvaluationSummary:
     # Written only with evaluation.compare_untrained
     untrained_acceptance_length: float | None = None
     untrained_acceptance_per_position: list[float] | None = None
+    # Written only with training.from_pretrained: the starting drafter, before the run's data
+    start_acceptance_length: float | None = None
+    start_acceptance_per_position: list[float] | None = None
     mla_disabled: bool
     mla_disabled_because: str | None = None  # written only when MLA was disabled
     results: list[SetResult | CategoryResult]
@@ -399,6 +423,8 @@ class EvaluationSummary:
     OPTIONAL: ClassVar[tuple[str, ...]] = (
         "untrained_acceptance_length",
         "untrained_acceptance_per_position",
+        "start_acceptance_length",
+        "start_acceptance_per_position",
         "mla_disabled_because",
     )
 

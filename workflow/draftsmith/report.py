@@ -55,8 +55,11 @@ def plot_completion_lengths(completions: list[Path], output: Path) -> None:
 
 def plot_training_curves(metrics_file: Path, output: Path) -> None:
     """Loss and per-position accuracy by epoch, train vs validation."""
-    epochs = TrainingMetrics.read(metrics_file).epochs
+    metrics = TrainingMetrics.read(metrics_file)
+    epochs = metrics.epochs
     figure, (loss_axis, acc_axis) = plt.subplots(1, 2, figsize=(11, 4))
+    if metrics.started_from:  # epoch 0 is the published drafter, not a random one
+        figure.suptitle(f"fine-tuned from the {metrics.started_from}", fontsize="small", wrap=True)
     x = [e["epoch"] for e in epochs]
     for split, style in (("train", "-"), ("val", "--")):
         losses = [e[split].get("loss") for e in epochs]

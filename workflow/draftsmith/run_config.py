@@ -235,6 +235,8 @@ class TrainingSettings(Section):
     extra_args: tuple[str, ...]
     kinds: tuple[str, ...]
     kind_args: dict[str, list[str]]
+    from_pretrained: str | None  # a drafter to start from (start_drafter.py)
+    fine_tune_lr: float  # the learning rate from it
 
     @property
     def other_kinds(self) -> tuple[str, ...]:

@@ -33,6 +33,7 @@ from typing import Any
 import yaml
 
 from draftsmith.run_config import RunConfig, swept
+from draftsmith.start_drafter import content_fingerprint
 
 # --- server options that do not change the numbers a server computes ----------------------
 # Everything else in server.extra_args / server.env is presumed to change them (--dtype,
@@ -189,6 +190,17 @@ DERIVED = {
             }
         ),
     ),
+    # The starting drafter by content (start_drafter.py): a copy elsewhere or a new mtime re-runs
+    # nothing, a changed byte re-trains. None without one, so runs from scratch keep their params.
+    "training.from_pretrained_content": (
+        ("training.from_pretrained",),
+        lambda c: content_fingerprint(path) if (path := typed(c).training.from_pretrained) else None,
+    ),
+    # Read only when training starts from a drafter: None (untracked) otherwise.
+    "training.fine_tune_lr": (
+        ("training.fine_tune_lr",),
+        lambda c: typed(c).training.fine_tune_lr if typed(c).training.from_pretrained else None,
+    ),
 }
 
 
@@ -202,7 +214,12 @@ def off(key: str, value: Any) -> bool:
 # Settings whose every value is a job of its own (the value is in the output's name): a new
 # value adds its job and leaves the others; the rules tracking the whole list re-run.
 SWEPT = {
-    "evaluation.num_speculative_tokens": ("evaluate_drafter", "evaluate_free_method", "evaluate_kind"),
+    "evaluation.num_speculative_tokens": (
+        "evaluate_drafter",
+        "evaluate_free_method",
+        "evaluate_kind",
+        "evaluate_start",
+    ),
     "evaluation.free_methods": ("evaluate_free_method",),
     "training.kinds": ("train_kind", "evaluate_kind"),
 }
@@ -236,6 +253,7 @@ TARGET_READERS = (
     "generate",
     "dataset",
     "extract",
+    "start_drafter",
     "train",
     "train_kind",
     "untrained_drafter",
@@ -244,6 +262,7 @@ TARGET_READERS = (
     "evaluate_drafter",
     "evaluate_kind",
     "evaluate_untrained",
+    "evaluate_start",
     "evaluate_free_method",
 )
 DRAFTER_SHAPE = (
@@ -290,7 +309,9 @@ PLAN_READS = (
     "evaluation.compare_untrained",
     "evaluation.free_methods",
     "training.kinds",
+    "training.from_pretrained",
 )
+STARTING_DRAFTER = "training.from_pretrained_content"
 
 TRAINING = Stage(
     # The device picks the trainer's flags (fp32 on a CPU) and, with gpu_slot, its processes.
@@ -395,7 +416,14 @@ STAGES: dict[str, Stage] = {
         software=("vllm",),
     ),
     "training_view": Stage(),
-    "train": TRAINING,
+    # The published drafter to start from, copied or converted: its content and what converts it.
+    "start_drafter": Stage(
+        shaping=(STARTING_DRAFTER, "target.model", "layers"),
+        extent=("target.build_demo",),
+        software=("speculators", "transformers"),
+    ),
+    # Fine-tuning tracks the starting drafter; the other kinds and the untrained one never read it.
+    "train": replace(TRAINING, shaping=(*TRAINING.shaping, STARTING_DRAFTER, "training.fine_tune_lr")),
     # Another kind of drafter from the same rows and states: the kind is the job's wildcard,
     # so a kind added to the list is a job of its own and the others stay.
     "train_kind": replace(
@@ -455,6 +483,13 @@ STAGES: dict[str, Stage] = {
         operational=(*EVALUATION_OPERATIONS, "evaluation.num_speculative_tokens"),
         software=("vllm",),
     ),
+    # The starting drafter, before the run's data, at every draft length like the drafter.
+    "evaluate_start": Stage(
+        shaping=EVALUATION_SHAPE,
+        extent=("target.build_demo",),
+        operational=(*EVALUATION_OPERATIONS, "evaluation.num_speculative_tokens"),
+        software=("vllm",),
+    ),
     # A method that needs no drafter: the method and the draft length are the job's wildcards.
     "evaluate_free_method": Stage(
         shaping=EVALUATION_SHAPE,
@@ -470,6 +505,7 @@ STAGES: dict[str, Stage] = {
             "evaluation.compare_untrained",
             "evaluation.free_methods",
             "training.kinds",
+            STARTING_DRAFTER,
         ),
     ),
     # Snapshots of the finished run: they re-run with the evaluation they read, and track
@@ -491,6 +527,7 @@ CONSUMERS: dict[str, tuple[str, ...]] = {
     "dataset": ("extract", "training_view", "train", "train_kind", "untrained_drafter"),
     "extract": ("training_view", "plan_snapshot"),
     "training_view": ("train", "train_kind", "untrained_drafter"),
+    "start_drafter": ("train", "evaluate_start"),
     "train": ("evaluate_drafter", "training_curves", "plan_snapshot"),
     "train_kind": ("evaluate_kind",),
     "untrained_drafter": ("evaluate_untrained",),
@@ -499,12 +536,14 @@ CONSUMERS: dict[str, tuple[str, ...]] = {
         "evaluate_drafter",
         "evaluate_kind",
         "evaluate_untrained",
+        "evaluate_start",
         "evaluate_free_method",
     ),
     "evaluate_baseline": ("evaluate",),
     "evaluate_drafter": ("evaluate",),
     "evaluate_kind": ("evaluate",),
     "evaluate_untrained": ("evaluate",),
+    "evaluate_start": ("evaluate",),
     "evaluate_free_method": ("evaluate",),
     "evaluate": ("plan_snapshot", "run_metadata"),
     "completion_lengths": (),
@@ -659,6 +698,8 @@ def absent_rules(config: dict[str, Any]) -> set[str]:
         absent.add("evaluate_free_method")
     if not run.training.other_kinds:
         absent.update(("train_kind", "evaluate_kind"))
+    if run.training.from_pretrained is None:
+        absent.update(("start_drafter", "evaluate_start"))
     return absent
 
 

@@ -76,6 +76,10 @@ def apply() -> bool:
             # from the (absent) accelerator just before.
             self.local_rank = "cpu"  # type: ignore[assignment]  # speculators moves tensors .to(local_rank)
             self.device_type = "cpu"
+            # A drafter loaded with --from-pretrained keeps its stored dtype (bf16 when
+            # published), and on CPU the trainer computes in fp32 without autocast: its
+            # matmuls would mix the two. Floating weights only: the vocabulary map stays int.
+            self.model.to(torch.float32)
             super().setup_model()
 
     cli.Trainer = CpuTrainer  # type: ignore[misc]  # the CLI builds whatever cli.Trainer names

@@ -49,11 +49,12 @@ from draftsmith.layout import (
     hidden_state_file,
 )
 from draftsmith.progress import log
-from draftsmith.records import RowIds
+from draftsmith.records import DrafterOrigin, RowIds
 from draftsmith.run_config import RunConfig
 from draftsmith.server import Endpoint, ServerSpec, managed_server
 from draftsmith.settings import item_settings
 from draftsmith.slot import GpuSlotError, check_gpu_slot
+from draftsmith.start_drafter import D2T, T2D, compatibility_problems, read_drafter
 from draftsmith.target import TargetShape, draft_vocab_problem, read_target_shape
 from draftsmith.trainer_process import run_trainer
 from draftsmith.training_checkpoints import chosen_epoch, drop_unfinished_epoch, reset_if_changed
@@ -82,6 +83,9 @@ TRAIN_FLAGS = [
     "--hidden-states-backend",
     "--trust-remote-code",
     "--speculator-type",
+    "--from-pretrained",
+    "--d2t-path",
+    "--t2d-path",
 ]
 # On a CPU only: no dataloader workers, attention without flex-attention's compiler, and
 # fp32 compute. speculators autocasts to bf16 by default, and on a CPU without AVX512-BF16
@@ -169,6 +173,23 @@ def preflight(settings: RunConfig, paths: TrainPaths) -> TrainingInputs:
     return TrainingInputs(plan, split, target)
 
 
+def check_start(settings: RunConfig, inputs: TrainingInputs, start: Path) -> None:
+    """The prepared starting drafter against this run (the preflight checked the one the
+    config names; a conversion could still have changed it)."""
+    facts = read_drafter(start)
+    problems = compatibility_problems(
+        facts,
+        hidden_size=inputs.target.hidden_size,
+        vocab_size=inputs.target.vocab_size,
+        plan=inputs.plan,
+        draft_vocab_size=settings.training.draft_vocab_size,
+        target_name=settings.target.model,
+    )
+    if problems:
+        raise TrainError(problems[0])
+    log(f"fine-tuning the {facts.describe()}")
+
+
 def training_processes(settings: RunConfig, granted: int | None) -> int:
     """One trainer process per GPU of the slot; 1 on CPU (the count settings.py tracks)."""
     slot = settings.trainer_processes
@@ -195,9 +216,11 @@ def speculators_args(
     captures: bool = False,
     kind: str = DEFAULT_KIND,
     target_vocab_size: int | None = None,
+    start: Path | None = None,
 ) -> list[str]:
-    """Arguments of `speculators train` (flags from DESIGN.md's CPU and H200 runs);
-    ``captures``: rows without a file are asked of the capture server."""
+    """Arguments of `speculators train` (flags measured on a CPU and an H200: docs/cpu.md);
+    ``captures``: rows without a file are asked of the capture server; ``start``: the drafter
+    to fine-tune (start_drafter.py), with its own vocabulary map."""
     training = settings.training
     argv = [
         "--verifier-name-or-path",
@@ -209,12 +232,12 @@ def speculators_args(
         str(paths.dataset / TOKEN_FREQUENCIES),
         "--draft-vocab-size",
         str(training.draft_vocab_size),
-        "--num-layers",
-        str(training.num_layers),
+        # A starting drafter's shape is its own: speculators refuses --num-layers beside it.
+        *(["--num-layers", str(training.num_layers)] if start is None else []),
         "--epochs",
         str(training.epochs),
         "--lr",
-        str(training.lr),
+        str(training.lr if start is None else training.fine_tune_lr),
         "--total-seq-len",
         str(training.total_seq_len),
         "--seed",
@@ -235,6 +258,10 @@ def speculators_args(
         argv += CPU_TRAINER_FLAGS
     if settings.target.trust_remote_code:
         argv.append("--trust-remote-code")
+    if start is not None:
+        # Its output head's rows are indexed by its own map: one recomputed from this run's
+        # token frequencies would point each learnt row at another token.
+        argv += ["--from-pretrained", str(start), "--d2t-path", str(start / D2T), "--t2d-path", str(start / T2D)]
     if kind == DEFAULT_KIND:
         # EAGLE-3's command stays that of runs made before kinds existed, so their
         # checkpoints are continued, not reset.
@@ -266,8 +293,9 @@ def train_command(
     captures: bool,
     kind: str = DEFAULT_KIND,
     target_vocab_size: int | None = None,
+    start: Path | None = None,
 ) -> list[str]:
-    args = speculators_args(settings, plan, paths, captures, kind, target_vocab_size)
+    args = speculators_args(settings, plan, paths, captures, kind, target_vocab_size, start)
     return launcher(settings, processes) + args
 
 
@@ -319,13 +347,16 @@ def run(
     granted: int | None = None,
     untrained: bool = False,
     kind: str = DEFAULT_KIND,
+    start: Path | None = None,
 ) -> None:
     processes = training_processes(settings, granted)
     inputs = preflight(settings, paths)
     plan, split = inputs.plan, inputs.split
     captures = split.captured > 0 and not untrained  # a dry run reads no data
     vocab = inputs.target.vocab_size
-    command = train_command(settings, plan, paths, processes, captures, kind, vocab)
+    if start is not None:
+        check_start(settings, inputs, start)
+    command = train_command(settings, plan, paths, processes, captures, kind, vocab, start)
     paths.staging.mkdir(parents=True, exist_ok=True)
     link_dataset_view(paths)
     if untrained:
@@ -335,8 +366,11 @@ def run(
         run_trainer([*command, "--dry-run"], paths.metrics, settings.training.stall_timeout_s)
         publish(plan, paths, paths.checkpoints)
         return
-    args = speculators_args(settings, plan, paths, captures, kind, vocab)
+    args = speculators_args(settings, plan, paths, captures, kind, vocab, start)
     software = item_settings(settings.source, "train")["software"]
+    origin = DrafterOrigin.read(start) if start is not None else None
+    if origin is not None:  # the same path holds whichever drafter the run starts from
+        software = software | {"start_drafter": origin.sha256}
     reset_if_changed(paths, args, settings.training.epochs, software)
     drop_unfinished_epoch(paths)
     requests = 0
@@ -349,7 +383,8 @@ def run(
         if endpoint is not None:
             requests = capture_requests(endpoint)
             log(f"the capture server answered {requests} requests for rows past the disk budget")
-    publish(plan, paths, chosen_epoch(paths.checkpoints), split, requests, kind)
+    started_from = f"{origin.summary} (from {origin.source})" if origin is not None else None
+    publish(plan, paths, chosen_epoch(paths.checkpoints), split, requests, kind, started_from)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -366,12 +401,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--kind", choices=sorted(KINDS), default=DEFAULT_KIND, help="the kind of drafter (training.kinds)"
     )
+    parser.add_argument(
+        "--start-drafter", type=Path, default=None, help="fine-tune this drafter (the start_drafter stage's output)"
+    )
     args = parser.parse_args(argv)
     # A SIGTERM (Snakemake, SLURM) unwinds through run_trainer's finally, which stops the trainer.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     paths = TrainPaths(args.dataset, args.hidden_states, args.staging, args.output)
     stage = "untrained_drafter" if args.untrained else "train" if args.kind == DEFAULT_KIND else "train_kind"
-    run(read_settings(args.settings, stage), paths, args.granted_gpus, args.untrained, args.kind)
+    run(read_settings(args.settings, stage), paths, args.granted_gpus, args.untrained, args.kind, args.start_drafter)
 
 
 if __name__ == "__main__":

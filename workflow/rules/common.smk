@@ -120,6 +120,17 @@ def kind_measurements():
     ]
 
 
+def start_drafter_input():
+    """The drafter training starts from (training.from_pretrained), if any."""
+    return [path(LAYOUT.start_drafter)] if RUN.training.from_pretrained else []
+
+
+def start_measurements():
+    if not RUN.training.from_pretrained:
+        return []
+    return [path(LAYOUT.start_measurement(k)) for k in RUN.evaluation.draft_lengths]
+
+
 def untrained_measurement_input():
     """The untrained drafter, measured at the default (first) draft length."""
     if RUN.evaluation.compare_untrained:

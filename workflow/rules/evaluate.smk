@@ -119,6 +119,26 @@ use rule evaluate_drafter as evaluate_untrained with:
         phases="--default-only",
 
 
+# The starting drafter (training.from_pretrained), before the run's data: every draft length,
+# measured like the drafter it became.
+use rule evaluate_drafter as evaluate_start with:
+    input:
+        prompts=path(LAYOUT.evaluation_prompts),
+        drafter=path(LAYOUT.start_drafter),
+        model=target_model_input(),
+    output:
+        path(LAYOUT.start_measurement("{k}")),
+    log:
+        log_path("evaluate/start_k{k}"),
+    benchmark:
+        benchmark_path("evaluate/start_k{k}")
+    params:
+        tracked=tracked("evaluate_start"),
+        config=RUN_CONFIG,
+        stage="evaluate_start",
+        phases="--start",
+
+
 # The methods that need no training (evaluation.free_methods), one job per method and draft
 # length: what a user gets from vLLM for free, measured like the drafter.
 rule evaluate_free_method:
@@ -155,6 +175,7 @@ rule evaluate:
         untrained=untrained_measurement_input(),
         free_method_jobs=free_method_measurements(),
         kind_jobs=kind_measurements(),
+        start_jobs=start_measurements(),
     output:
         acceptance=path(LAYOUT.acceptance),
         spec_config=path(LAYOUT.speculative_config),
@@ -192,10 +213,13 @@ rule evaluate:
         kinds=lambda wildcards, input: (
             f"--kind-jobs {shlex.join(input.kind_jobs)}" if input.kind_jobs else ""
         ),
+        start=lambda wildcards, input: (
+            f"--start-jobs {shlex.join(input.start_jobs)}" if input.start_jobs else ""
+        ),
     shell:
         "python -m draftsmith.evaluation_summary --settings {params.config:q}"
         " --baseline {input.baseline:q} --drafter-jobs {input.drafter_jobs:q} {params.untrained} {params.free_methods}"
-        " {params.kinds}"
+        " {params.kinds} {params.start}"
         " --acceptance {output.acceptance:q}"
         " --spec-config {output.spec_config:q} --acceptance-plot {output.acceptance_plot:q}"
         " --speedup-plot {output.speedup_plot:q} --tables {output.tables:q} > {log:q} 2>&1"

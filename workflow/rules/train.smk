@@ -1,8 +1,30 @@
+# The published drafter training.from_pretrained names, copied or converted to speculators'
+# format, with its vocabulary map. Tracked by content (settings.py), not by path.
+rule start_drafter:
+    input:
+        model=target_model_input(),
+    output:
+        directory(path(LAYOUT.start_drafter)),
+    log:
+        log_path("start_drafter"),
+    localrule: True
+    conda:
+        CONDA_ENV
+    params:
+        tracked=tracked("start_drafter"),
+        config=RUN_CONFIG,
+        staging=staging("start_drafter"),
+    shell:
+        "python -m draftsmith.start_drafter --settings {params.config:q}"
+        " --staging {params.staging:q} --output {output:q} > {log:q} 2>&1"
+
+
 rule train:
     input:
         dataset=path(LAYOUT.dataset),
         hidden_states=path(LAYOUT.training_view),
         model=target_model_input(),
+        start=start_drafter_input(),
     output:
         directory(path(LAYOUT.drafter)),
     log:
@@ -17,7 +39,9 @@ rule train:
         tracked=tracked("train"),
         config=RUN_CONFIG,
         staging=staging("train"),
-        mode="",
+        mode=lambda wildcards, input: (
+            f"--start-drafter {shlex.quote(input.start[0])}" if input.start else ""
+        ),
     shell:
         "python -m draftsmith.train {params.mode} --settings {params.config:q}"
         " --dataset {input.dataset:q} --hidden-states {input.hidden_states:q}"
@@ -27,6 +51,10 @@ rule train:
 
 # The evaluation's baseline: the same drafter, initialized but never trained.
 use rule train as untrained_drafter with:
+    input:
+        dataset=path(LAYOUT.dataset),
+        hidden_states=path(LAYOUT.training_view),
+        model=target_model_input(),
     output:
         directory(path(LAYOUT.untrained_drafter)),
     log:
@@ -42,6 +70,10 @@ use rule train as untrained_drafter with:
 
 # Each other kind of drafter (training.kinds) from the same rows and hidden states.
 use rule train as train_kind with:
+    input:
+        dataset=path(LAYOUT.dataset),
+        hidden_states=path(LAYOUT.training_view),
+        model=target_model_input(),
     output:
         directory(path(LAYOUT.kind_drafter("{kind}"))),
     log:
