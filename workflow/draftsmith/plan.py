@@ -23,9 +23,11 @@ from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.disk_budget import StoredRowFormat
 from draftsmith.errors import DraftsmithError
-from draftsmith.layout import Layout
+from draftsmith.layout import TRAINING_METRICS, Layout
 from draftsmith.progress import log
+from draftsmith.records import TrainingMetrics
 from draftsmith.run_config import RunConfig
+from draftsmith.start_drafter import read_drafter
 from draftsmith.target import read_target_config, read_target_shape
 from draftsmith.throughputs import Rates, active_parameters, measured_rates, table_rates
 
@@ -159,6 +161,7 @@ def plan_for(settings: RunConfig, results: Path) -> dict[str, Any]:
         # Every kind trains from the same rows and states: more kinds cost training time
         # and evaluation loads, never extraction.
         "drafter_kinds": list(settings.training.kinds),
+        "starting_drafter": starting_drafter(settings),
         "gpu_slot": settings.gpu_slot,
         "gpus_per_server": settings.server.gpus,
         "done": done,
@@ -274,6 +277,25 @@ def fitting_budget(plan: dict[str, Any]) -> str | None:
     return f'"{human_bytes(fits[0]["budget_bytes"])}"' if fits else None
 
 
+def starting_drafter(settings: RunConfig) -> dict[str, Any] | None:
+    """What training.from_pretrained names and where it came from: a published drafter, or an
+    earlier run's (its training metrics say how it was trained, and from what)."""
+    source = settings.training.from_pretrained
+    if source is None:
+        return None
+    path = Path(source).expanduser()
+    try:
+        summary = read_drafter(path).describe()
+    except DraftsmithError as error:
+        summary = f"unreadable: {error}"
+    earlier = TrainingMetrics.read(path) if (path / TRAINING_METRICS).is_file() else None
+    origin = "published"
+    if earlier is not None:
+        origin = f"an earlier draftsmith run's drafter, {len(earlier.epochs)} epoch(s)"
+        origin += f", itself fine-tuned from the {earlier.started_from}" if earlier.started_from else " from scratch"
+    return {"source": str(path.resolve()), "summary": summary, "origin": origin}
+
+
 def evaluation_loads(settings: RunConfig) -> int:
     """The target alone once, once per draft length for each kind of drafter and each free
     method, and the untrained drafter once: on a 1T-parameter target each load is many
@@ -281,6 +303,7 @@ def evaluation_loads(settings: RunConfig) -> int:
     evaluation = settings.evaluation
     lengths = len(evaluation.draft_lengths)
     per_length = len(settings.training.kinds) + len(evaluation.free_methods)
+    per_length += settings.training.from_pretrained is not None  # the starting drafter, measured too
     return 1 + lengths * per_length + int(evaluation.compare_untrained)
 
 
@@ -378,9 +401,11 @@ def format_plan(plan: dict[str, Any]) -> str:
             "model loads: generation / extraction / evaluation",
             f"{loads['generation']} / {loads['extraction']} / {loads['evaluation']}"
             f" (evaluation: target alone + {plan['draft_lengths']} draft length(s)"
-            f"{' + untrained' if plan['compare_untrained'] else ''})",
+            f"{' + untrained' if plan['compare_untrained'] else ''}"
+            f"{' + the starting drafter at each length' if plan.get('starting_drafter') else ''})",
         ),
         ("drafter kinds (same rows and states, no extra extraction)", ", ".join(plan["drafter_kinds"])),
+        ("starting drafter", _starting_text(plan.get("starting_drafter"))),
         *storage_rows(plan),
         *time_rows(plan),
         ("GPU slot (GPUs per heavy job) / TP x DP", f"{plan['gpu_slot']} / {plan['gpus_per_server']}"),
@@ -397,6 +422,12 @@ def format_plan(plan: dict[str, Any]) -> str:
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _starting_text(start: dict[str, Any] | None) -> str:
+    if start is None:
+        return "none: trained from scratch"
+    return f"{start['summary']} ({start['origin']})"
 
 
 def main(argv: list[str] | None = None) -> None:
