@@ -86,6 +86,8 @@ MATRIX = [
     ("training.stall_timeout_s", 100),
     ("training.extra_args", ["--log-freq", "5"]),
     ("training.kinds", ["eagle3", "peagle"]),  # another kind: its training and measurements
+    ("training.from_pretrained", "results/drafter"),  # the finished run's own drafter, to fine-tune
+    ("training.fine_tune_lr", 0.0005),  # read only when starting from a drafter: nothing
     ("evaluation.num_speculative_tokens", [3, 1, 2]),  # one more draft length
     ("evaluation.num_speculative_tokens", [1, 3]),  # another default: the untrained job's length
     ("evaluation.max_tokens", 32),
@@ -159,6 +161,17 @@ def test_each_key_changed_alone_plans_exactly_what_the_table_says(demo_run):
         "plan_snapshot": 1,
         "run_metadata": 1,
     }
+    assert planned['training.from_pretrained="results/drafter"'] == {
+        "start_drafter": 1,
+        "train": 1,
+        "evaluate_start": 2,
+        "evaluate_drafter": 2,
+        "evaluate": 1,
+        "training_curves": 1,
+        "plan_snapshot": 1,
+        "run_metadata": 1,
+    }
+    assert planned["training.fine_tune_lr=0.0005"] == {}
     assert planned["evaluation.request_timeout_s=100"] == {}
     assert planned["server.startup_timeout_s=900"] == {}
     assert planned["questions.shards=3"]["generate"] == 3
