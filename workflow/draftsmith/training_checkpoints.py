@@ -22,7 +22,7 @@ from datasets import load_from_disk
 from draftsmith.atomic import atomic_write_text
 from draftsmith.drafter_publish import read_metric_records
 from draftsmith.errors import TrainError
-from draftsmith.layout import HIDDEN_STATE_GLOB, ROW_IDS, SHARD_MANIFEST, TrainPaths
+from draftsmith.layout import HIDDEN_STATE_GLOB, ROW_IDS, SHARD_MANIFEST, TOKEN_FREQUENCIES, TrainPaths
 from draftsmith.progress import log
 
 
@@ -42,7 +42,7 @@ def _column_digest(digest, column: pa.ChunkedArray) -> None:
 
 def inputs_fingerprint(paths: TrainPaths) -> str:
     """Identity of the training data by content, not by file times: the dataset's columns
-    (tokens, loss masks) and row ids, and for the hidden states each row's file size and
+    (tokens, loss masks), row ids and token frequencies, and for the hidden states each row's file size and
     the manifests of the shards they come from (rows, layers, dtype and the settings the
     files were made under). A republished but unchanged input resumes the checkpoints;
     regenerated data does not. Hashing the hidden states themselves (terabytes) is out."""
@@ -53,6 +53,9 @@ def inputs_fingerprint(paths: TrainPaths) -> str:
         _column_digest(digest, table.column(name))
     row_ids = paths.dataset / ROW_IDS
     digest.update(row_ids.read_bytes() if row_ids.is_file() else b"no row ids")
+    # The token counts choose the draft vocabulary: other counts, another output head.
+    frequencies = paths.dataset / TOKEN_FREQUENCIES
+    digest.update(frequencies.read_bytes() if frequencies.is_file() else b"no token frequencies")
     shards = set()
     for path in sorted(paths.hidden_states.glob(HIDDEN_STATE_GLOB)):
         digest.update(f"{path.name}:{path.stat().st_size}\n".encode())
