@@ -39,6 +39,7 @@ FINE_TUNING_PLAN = {
     "evaluate_start": 1,
     "evaluate_drafter": 1,
     "evaluate": 1,
+    "diagnose_gap": 1,
     "training_curves": 1,
     "plan_snapshot": 1,
     "run_metadata": 1,

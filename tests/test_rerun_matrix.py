@@ -167,6 +167,7 @@ def test_each_key_changed_alone_plans_exactly_what_the_table_says(demo_run):
         "evaluate_start": 2,
         "evaluate_drafter": 2,
         "evaluate": 1,
+        "diagnose_gap": 1,
         "training_curves": 1,
         "plan_snapshot": 1,
         "run_metadata": 1,

@@ -115,6 +115,7 @@ def publish(
     capture_requests: int = 0,
     kind: str = "eagle3",
     started_from: str | None = None,
+    validation_positions: int | None = None,
 ) -> None:
     """``split``: where the rows came from (stored or captured); ``capture_requests``: the
     requests the capture server answered; ``started_from``: the drafter fine-tuned, in words."""
@@ -122,7 +123,9 @@ def publish(
     shutil.rmtree(partial, ignore_errors=True)
     stage_drafter(epoch_dir, plan, partial, kind)
     published = int(epoch_dir.name) if epoch_dir.name.isdigit() else None  # None: untrained
-    metrics = TrainingMetrics(published, epoch_metrics(paths.metrics), started_from=started_from)
+    metrics = TrainingMetrics(
+        published, epoch_metrics(paths.metrics), started_from=started_from, validation_positions=validation_positions
+    )
     if split is not None:
         metrics = dataclasses.replace(
             metrics, rows_stored=split.stored, rows_captured_per_epoch=split.captured, capture_requests=capture_requests

@@ -91,7 +91,20 @@ def plot_acceptance(result: EvaluationSummary, path: Path) -> None:
     width = 0.8 / len(bars)
     for index, (label, values) in enumerate(bars):
         offset = (index - (len(bars) - 1) / 2) * width
-        left.bar([p + offset for p in positions], values, width=width, label=label)
+        errors = result.acceptance_per_position_standard_error if index == 0 else None
+        left.bar([p + offset for p in positions], values, width=width, label=label, yerr=errors, capsize=3)
+    if result.expected_acceptance_per_position is not None:
+        left.errorbar(
+            [p - 0.4 + width / 2 for p in positions],
+            result.expected_acceptance_per_position,
+            yerr=[
+                validation_error(rate, result.validation_positions) for rate in result.expected_acceptance_per_position
+            ],
+            fmt="k_",
+            markersize=18,
+            capsize=3,
+            label="validation predicts (full_acc)",
+        )
     left.set(
         xlabel="draft position",
         ylabel="acceptance rate",
@@ -208,7 +221,12 @@ def tables_html(result: EvaluationSummary) -> str:
             r.requests,
             f"{r.acceptance_length:.2f}",
             f"{r.tokens_per_step:.2f}",
-            " / ".join(f"{a:.2f}" for a in r.acceptance_per_position),
+            " / ".join(
+                f"{a:.2f} ± {e:.2f}"
+                for a, e in zip(r.acceptance_per_position, r.acceptance_per_position_standard_error, strict=False)
+            )
+            or " / ".join(f"{a:.2f}" for a in r.acceptance_per_position),
+            _expected_text(r),
             _row_speed(r),
             _times(r.speedup),
         ]
@@ -243,7 +261,12 @@ def tables_html(result: EvaluationSummary) -> str:
             recommendation,
         )
         + "<h3>Acceptance per method, set and category</h3><p>Category speeds and speedups are per request."
-        " Acceptance length counts the steps that drafted; tokens per step counts them all.</p>"
+        " Acceptance length counts the steps that drafted; tokens per step counts them all. What validation"
+        " predicts (greedy rows of a trained drafter): speculators' full_acc_i of the published epoch at each"
+        " position, and 1 + their sum"
+        + (f", on {result.validation_positions:,} validation positions" if result.validation_positions else "")
+        + (f". At the headline point, {line}" if (line := gap_line(result)) else "")
+        + ".</p>"
         + _table(
             [
                 "set",
@@ -255,13 +278,38 @@ def tables_html(result: EvaluationSummary) -> str:
                 "requests",
                 "acceptance length (per draft)",
                 "tokens per step",
-                "per position",
+                "per position (± standard error)",
+                "validation predicts (AL; per position)",
                 "tok/s with",
                 "speedup",
             ],
             results,
         )
         + "</body></html>\n"
+    )
+
+
+def validation_error(rate: float, positions: int | None) -> float:
+    """The binomial standard error of a validation rate over the split's positions."""
+    return (rate * (1 - rate) / positions) ** 0.5 if positions else 0.0
+
+
+def _expected_text(row: ResultRow) -> str:
+    if row.expected_acceptance_per_position is None:
+        return ""
+    return f"{row.expected_acceptance_length:.2f}; " + " / ".join(
+        f"{a:.2f}" for a in row.expected_acceptance_per_position
+    )
+
+
+def gap_line(result: EvaluationSummary) -> str:
+    """Expected against served at the headline point, in one line (the diagnosis, when the
+    run made one, is eval/gap.json's)."""
+    if result.expected_acceptance_per_position is None:
+        return ""
+    return (
+        f"held-out, k={result.num_speculative_tokens}, greedy: validation predicts "
+        f"{result.expected_acceptance_length:.2f}, served {result.acceptance_length:.2f}"
     )
 
 

@@ -57,6 +57,7 @@ from draftsmith.evaluation_report import (
     tables_html,
 )
 from draftsmith.evaluation_sets import HELDOUT, NO_CATEGORY
+from draftsmith.layout import TRAINING_METRICS
 from draftsmith.progress import log
 from draftsmith.records import (
     WHOLE_SET,
@@ -69,6 +70,7 @@ from draftsmith.records import (
     ServingOption,
     SetResult,
     Tally,
+    TrainingMetrics,
 )
 from draftsmith.run_config import RunConfig
 
@@ -82,6 +84,32 @@ def per_position(tally: Tally, k: int) -> list[float]:
     """Acceptance at each draft position: accepted there / steps."""
     steps = sum(tally.histogram)
     return [round(n / steps, 4) if steps else 0.0 for n in accepted_at_positions(tally, k)]
+
+
+def per_position_standard_error(tally: Tally, k: int) -> list[float]:
+    """The binomial standard error of each position's rate over the verify steps."""
+    steps = sum(tally.histogram)
+    rates = per_position(tally, k)
+    return [round(math.sqrt(rate * (1 - rate) / steps), 4) if steps else 0.0 for rate in rates]
+
+
+def drafter_metrics(job: Measurement) -> TrainingMetrics | None:
+    """The training metrics published with a measured drafter (none for free methods, or a
+    starting drafter that did not come from a draftsmith run)."""
+    if job.drafter is None or not (Path(job.drafter) / TRAINING_METRICS).is_file():
+        return None
+    return TrainingMetrics.read(Path(job.drafter))
+
+
+def expected(metrics: TrainingMetrics | None, k: int, temperature: float) -> dict[str, Any]:
+    """What validation predicts for a greedy row: full_acc_i per position, 1 + their sum."""
+    per_position_expected = metrics.expected_per_position(k) if metrics and temperature == 0.0 else None
+    if per_position_expected is None:
+        return {}
+    return {
+        "expected_acceptance_per_position": per_position_expected,
+        "expected_acceptance_length": round(1 + sum(per_position_expected), 4),
+    }
 
 
 def tokens_per_step(tally: Tally) -> float:
@@ -118,6 +146,7 @@ def result_rows(drafter: Measurement, baseline: Measurement) -> list[SetResult |
     every phase of one drafter (or free method) job, against the baseline's same phase."""
     k = drafter_length(drafter)
     alone = {_key(phase): phase for phase in baseline.phases}
+    metrics = drafter_metrics(drafter)
     rows: list[SetResult | CategoryResult] = []
     for phase in drafter.phases:
         base = alone[_key(phase)]
@@ -137,6 +166,7 @@ def result_rows(drafter: Measurement, baseline: Measurement) -> list[SetResult |
                 **common,
                 category=WHOLE_SET,
                 **_acceptance(whole, k),
+                **expected(metrics, k, phase.temperature),
                 tokens_per_s_with_drafter=with_drafter,
                 tokens_per_s_with_drafter_spread=_spread(whole, with_drafter),
                 tokens_per_s_without_drafter=without,
@@ -158,6 +188,7 @@ def _acceptance(tally: Tally, k: int) -> dict[str, Any]:
         "completion_tokens": tally.completion_tokens,
         "acceptance_length": round(acceptance_length(tally), 4),
         "acceptance_per_position": per_position(tally, k),
+        "acceptance_per_position_standard_error": per_position_standard_error(tally, k),
         "tokens_per_step": tokens_per_step(tally),
     }
 
@@ -327,6 +358,7 @@ def headline(
     )
     untrained_tally = _default_measurement(untrained, concurrency)[1] if untrained else None
     start_tally = _default_measurement(start, concurrency)[1] if start else None
+    metrics = drafter_metrics(drafter)
     return EvaluationSummary(
         acceptance_length=round(acceptance_length(tally), 4),
         max_acceptance_length=k + 1,
@@ -346,6 +378,9 @@ def headline(
         untrained_acceptance_per_position=per_position(untrained_tally, k) if untrained_tally is not None else None,
         start_acceptance_length=round(acceptance_length(start_tally), 4) if start_tally is not None else None,
         start_acceptance_per_position=per_position(start_tally, k) if start_tally is not None else None,
+        **expected(metrics, k, 0.0),
+        acceptance_per_position_standard_error=per_position_standard_error(tally, k),
+        validation_positions=metrics.validation_positions if metrics else None,
         mla_disabled=drafter.mla_disabled,
         mla_disabled_because=drafter.mla_disabled_because if drafter.mla_disabled else None,
         results=results,

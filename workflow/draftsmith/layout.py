@@ -202,6 +202,11 @@ class Layout:
         return self.evaluation / "acceptance.json"
 
     @property
+    def acceptance_gap(self) -> Path:
+        """Served acceptance against validation's prediction, and the diagnosis."""
+        return self.evaluation / "gap.json"
+
+    @property
     def acceptance_plot(self) -> Path:
         """Acceptance per prompt set (and category) and draft position."""
         return self.evaluation / "acceptance.png"

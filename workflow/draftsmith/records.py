@@ -114,6 +114,20 @@ class TrainingMetrics(_Record):
     capture_requests: int | None = None
     # The drafter training started from (training.from_pretrained), in words; None: from scratch.
     started_from: str | None = None
+    # Trainable positions of speculators' validation split (the last rows): the noise of full_acc_i.
+    validation_positions: int | None = None
+
+    @property
+    def published_validation(self) -> dict[str, float]:
+        """The published epoch's validation metrics (empty for the untrained drafter)."""
+        return next((e["val"] for e in self.epochs if e["epoch"] == self.published_epoch), {})
+
+    def expected_per_position(self, k: int) -> list[float] | None:
+        """What validation predicts served greedy acceptance to be at each of k positions."""
+        validation = self.published_validation
+        if any(f"full_acc_{i}" not in validation for i in range(k)):
+            return None
+        return [round(validation[f"full_acc_{i}"], 4) for i in range(k)]
 
     def write(self, drafter: Path) -> None:
         atomic_write_text(drafter / TRAINING_METRICS, self.to_json())
@@ -135,6 +149,33 @@ class DrafterOrigin(_FileRecord):
     layout: str
     summary: str
     sha256: str
+
+
+@dataclass(frozen=True)
+class AcceptanceGap(_Record):
+    """``eval/gap.json``: served acceptance against what validation predicts, held-out, greedy,
+    at the headline draft length and concurrency, per position with the noise of each side,
+    and the diagnosis (acceptance_gap.py). ``cause``: the failing check's name, "unexplained"
+    for a gap beyond noise no check explains, None when there is nothing to explain."""
+
+    expected: list[float]
+    served: list[float]
+    served_standard_error: list[float]
+    validation_standard_error: list[float]
+    validation_positions: int | None
+    expected_conditional: list[float]
+    served_conditional: list[float]
+    beyond_noise: list[bool]
+    gap_starts_at: str | None
+    cause: str | None
+    diagnosis: str | None
+    summary: str
+    checks: list[dict[str, Any]]
+    other_sets: dict[str, Any]
+
+    @classmethod
+    def read(cls, path: Path) -> AcceptanceGap:
+        return cls.from_json(path.read_text())
 
 
 @dataclass
@@ -297,6 +338,13 @@ class ResultRow:
     acceptance_length: float
     acceptance_per_position: list[float]
     tokens_per_step: float
+    # The noise of each position's rate: its binomial standard error over the verify steps.
+    acceptance_per_position_standard_error: list[float] = field(default_factory=list)
+    # What the drafter's validation predicts (greedy rows of a trained drafter only): at
+    # position i the share of validation positions whose first i+1 draft tokens were all
+    # right (speculators' full_acc_i), and 1 + their sum for greedy chains of this length.
+    expected_acceptance_per_position: list[float] | None = None
+    expected_acceptance_length: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -415,6 +463,12 @@ class EvaluationSummary:
     # Written only with training.from_pretrained: the starting drafter, before the run's data
     start_acceptance_length: float | None = None
     start_acceptance_per_position: list[float] | None = None
+    # What the drafter's validation predicts at the top level's point, and the noise of both
+    # sides: served rates' standard errors, and the validation split's trainable positions.
+    expected_acceptance_length: float | None = None
+    expected_acceptance_per_position: list[float] | None = None
+    acceptance_per_position_standard_error: list[float] | None = None
+    validation_positions: int | None = None
     mla_disabled: bool
     mla_disabled_because: str | None = None  # written only when MLA was disabled
     results: list[SetResult | CategoryResult]
@@ -425,6 +479,10 @@ class EvaluationSummary:
         "untrained_acceptance_per_position",
         "start_acceptance_length",
         "start_acceptance_per_position",
+        "expected_acceptance_length",
+        "expected_acceptance_per_position",
+        "acceptance_per_position_standard_error",
+        "validation_positions",
         "mla_disabled_because",
     )
 

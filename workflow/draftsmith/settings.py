@@ -264,6 +264,7 @@ TARGET_READERS = (
     "evaluate_untrained",
     "evaluate_start",
     "evaluate_free_method",
+    "diagnose_gap",
 )
 DRAFTER_SHAPE = (
     "target.model",
@@ -508,6 +509,21 @@ STAGES: dict[str, Stage] = {
             STARTING_DRAFTER,
         ),
     ),
+    # Served acceptance against validation's prediction, and the checks that explain a gap:
+    # what the checks read shapes the diagnosis (the rest comes with the files it reads).
+    "diagnose_gap": Stage(
+        shaping=(
+            "target.model",
+            "layers",
+            "server.extra_args[numerics]",
+            "dataset.seq_length",
+            "generation.sampling",
+            STARTING_DRAFTER,
+        ),
+        extent=("target.build_demo",),
+        operational=("target.trust_remote_code",),
+        software=("speculators", "transformers"),
+    ),
     # Snapshots of the finished run: they re-run with the evaluation they read, and track
     # nothing themselves (a timeout change must not rewrite the report's plan).
     "plan_snapshot": Stage(operational=PLAN_READS),
@@ -522,13 +538,13 @@ STAGES: dict[str, Stage] = {
 CONSUMERS: dict[str, tuple[str, ...]] = {
     "demo_model": TARGET_READERS,
     "gguf_target": TARGET_READERS,
-    "questions": ("generate", "evaluation_sets", "plan_snapshot"),
-    "generate": ("dataset", "completion_lengths", "plan_snapshot"),
-    "dataset": ("extract", "training_view", "train", "train_kind", "untrained_drafter"),
-    "extract": ("training_view", "plan_snapshot"),
+    "questions": ("generate", "evaluation_sets", "diagnose_gap", "plan_snapshot"),
+    "generate": ("dataset", "completion_lengths", "diagnose_gap", "plan_snapshot"),
+    "dataset": ("extract", "training_view", "train", "train_kind", "untrained_drafter", "diagnose_gap"),
+    "extract": ("training_view", "diagnose_gap", "plan_snapshot"),
     "training_view": ("train", "train_kind", "untrained_drafter"),
     "start_drafter": ("train", "evaluate_start"),
-    "train": ("evaluate_drafter", "training_curves", "plan_snapshot"),
+    "train": ("evaluate_drafter", "training_curves", "diagnose_gap", "plan_snapshot"),
     "train_kind": ("evaluate_kind",),
     "untrained_drafter": ("evaluate_untrained",),
     "evaluation_sets": (
@@ -545,7 +561,8 @@ CONSUMERS: dict[str, tuple[str, ...]] = {
     "evaluate_untrained": ("evaluate",),
     "evaluate_start": ("evaluate",),
     "evaluate_free_method": ("evaluate",),
-    "evaluate": ("plan_snapshot", "run_metadata"),
+    "evaluate": ("diagnose_gap", "plan_snapshot", "run_metadata"),
+    "diagnose_gap": (),
     "completion_lengths": (),
     "training_curves": (),
     "plan_snapshot": (),

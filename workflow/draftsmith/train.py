@@ -50,7 +50,7 @@ from draftsmith.layout import (
 )
 from draftsmith.progress import log
 from draftsmith.records import DrafterOrigin, RowIds
-from draftsmith.run_config import RunConfig
+from draftsmith.run_config import RunConfig, flag_value
 from draftsmith.server import Endpoint, ServerSpec, managed_server
 from draftsmith.settings import item_settings
 from draftsmith.slot import GpuSlotError, check_gpu_slot
@@ -118,6 +118,19 @@ def check_dataset(dataset: Path) -> int:
     if rows == 0:
         raise TrainError(f"the dataset {dataset} has no rows; check the dataset stage's log")
     return rows
+
+
+# speculators' default share of the rows it trains on; the rest, the last rows, validate.
+TRAIN_DATA_RATIO = 0.9
+
+
+def validation_positions(dataset: Path, extra_args: list[str]) -> int:
+    """Trainable positions of speculators' validation split (its last rows, after the shift
+    that pairs each token with the state before it): how well full_acc_i is known."""
+    ratio = float(flag_value(extra_args, "--train-data-ratio") or TRAIN_DATA_RATIO)
+    rows = load_from_disk(str(dataset)).with_format(None)
+    masks = rows.select(range(int(rows.num_rows * ratio), rows.num_rows))["loss_mask"]
+    return sum(sum(mask[1:]) for mask in masks)
 
 
 def check_hidden_states(paths: TrainPaths, split: RowSplit, stored_layers: int, hidden_size: int) -> None:
@@ -384,7 +397,8 @@ def run(
             requests = capture_requests(endpoint)
             log(f"the capture server answered {requests} requests for rows past the disk budget")
     started_from = f"{origin.summary} (from {origin.source})" if origin is not None else None
-    publish(plan, paths, chosen_epoch(paths.checkpoints), split, requests, kind, started_from)
+    validated = validation_positions(paths.dataset, list(settings.training.extra_args))
+    publish(plan, paths, chosen_epoch(paths.checkpoints), split, requests, kind, started_from, validated)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -147,6 +147,7 @@ def final_outputs():
         *[path(LAYOUT.kind_drafter(kind)) for kind in RUN.training.other_kinds],
         path(LAYOUT.speculative_config),
         path(LAYOUT.acceptance),
+        path(LAYOUT.acceptance_gap),
         path(LAYOUT.acceptance_plot),
         path(LAYOUT.speedup_plot),
         path(LAYOUT.evaluation_tables),

@@ -223,3 +223,41 @@ rule evaluate:
         " --acceptance {output.acceptance:q}"
         " --spec-config {output.spec_config:q} --acceptance-plot {output.acceptance_plot:q}"
         " --speedup-plot {output.speedup_plot:q} --tables {output.tables:q} > {log:q} 2>&1"
+
+
+# Served acceptance against what validation predicts, and the checks that explain a gap
+# (acceptance_gap.py): seconds, from what the run already has.
+rule diagnose_gap:
+    input:
+        acceptance=path(LAYOUT.acceptance),
+        drafter=path(LAYOUT.drafter),
+        dataset=path(LAYOUT.dataset),
+        questions=[path(LAYOUT.question_shard(shard)) for shard in QUESTION_SHARDS],
+        completions=completion_shards(),
+        hidden_states=extraction_shards(),
+        model=target_model_input(),
+    output:
+        report(
+            path(LAYOUT.acceptance_gap),
+            caption="../report/acceptance_gap.rst",
+            category="Evaluation",
+        ),
+    log:
+        log_path("evaluate/gap"),
+    localrule: True
+    conda:
+        CONDA_ENV
+    params:
+        tracked=tracked("diagnose_gap"),
+        config=RUN_CONFIG,
+        questions=path(LAYOUT.questions),
+        hidden_states=lambda wildcards, input: (
+            f"--hidden-states {shlex.join(input.hidden_states)}"
+            if input.hidden_states
+            else ""
+        ),
+    shell:
+        "python -m draftsmith.acceptance_gap --settings {params.config:q}"
+        " --acceptance {input.acceptance:q} --drafter {input.drafter:q} --dataset {input.dataset:q}"
+        " --questions {params.questions:q} --completions {input.completions:q} {params.hidden_states}"
+        " --output {output:q} > {log:q} 2>&1"
