@@ -109,10 +109,8 @@ def check_tokens(settings: RunConfig, questions: Path, completions: list[Path]) 
     for shard in completions:
         for line in shard.read_text().splitlines():
             record = json.loads(line)
-            if 1 in record["loss_mask"]:
+            if len(prompts) < SAMPLE_QUESTIONS and 1 in record["loss_mask"]:
                 prompts[record["id"]] = record["input_ids"][: record["loss_mask"].index(1)]
-            if len(prompts) >= SAMPLE_QUESTIONS:
-                break
     messages = {}
     for shard in sorted(questions.glob("shard_*.jsonl")):
         for line in shard.read_text().splitlines():
