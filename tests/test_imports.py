@@ -21,6 +21,8 @@ STAGES = {
     "demo_model",
     "report",
     "plan",
+    "start_drafter",
+    "acceptance_gap",
 }
 
 

@@ -11,10 +11,10 @@ from drafter_layouts import write_speculators_drafter
 from test_preflight import demo_settings
 
 from draftsmith import preflight, train
+from draftsmith.drafter_files import D2T, T2D, content_fingerprint
 from draftsmith.layers import resolve_layers
 from draftsmith.layout import TrainPaths
 from draftsmith.run_config import RunConfig
-from draftsmith.start_drafter import D2T, T2D, content_fingerprint
 
 
 @pytest.fixture

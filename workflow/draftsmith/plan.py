@@ -22,12 +22,12 @@ from typing import Any
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.disk_budget import StoredRowFormat
+from draftsmith.drafter_files import read_drafter
 from draftsmith.errors import DraftsmithError
 from draftsmith.layout import TRAINING_METRICS, Layout
 from draftsmith.progress import log
 from draftsmith.records import TrainingMetrics
 from draftsmith.run_config import RunConfig
-from draftsmith.start_drafter import read_drafter
 from draftsmith.target import read_target_config, read_target_shape
 from draftsmith.throughputs import Rates, active_parameters, measured_rates, table_rates
 

@@ -38,6 +38,7 @@ from typing import Any
 from draftsmith import vllm_build, vllm_cpu_amx, vllm_cpu_idle, vllm_cpu_rope, vllm_cpu_sampling, vllm_cpu_seeded
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_config
+from draftsmith.drafter_files import compatibility_problems, read_drafter
 from draftsmith.drafter_kinds import FREE_METHODS
 from draftsmith.errors import DraftsmithError
 from draftsmith.gpu_memory import checkpoint_bytes, split_problems
@@ -46,7 +47,6 @@ from draftsmith.plan import configured_mode, existing_parent, fitting_budget, pl
 from draftsmith.questions import first_row_problem, is_local_source
 from draftsmith.run_config import EvaluationSetSettings, QuestionsSettings, RunConfig
 from draftsmith.serving import MLA_DISABLE_ENV, ServingError, evaluation_attention, mla_latent_problem
-from draftsmith.start_drafter import compatibility_problems, read_drafter
 from draftsmith.target import TargetShape, draft_vocab_problem, read_target_shape
 from draftsmith.vllm_build import module_file
 

@@ -32,8 +32,8 @@ from typing import Any
 
 import yaml
 
+from draftsmith.drafter_files import content_fingerprint
 from draftsmith.run_config import RunConfig, swept
-from draftsmith.start_drafter import content_fingerprint
 
 # --- server options that do not change the numbers a server computes ----------------------
 # Everything else in server.extra_args / server.env is presumed to change them (--dtype,

@@ -39,6 +39,7 @@ from safetensors import safe_open
 
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.disk_budget import RowSplit, StoredRowFormat, row_split
+from draftsmith.drafter_files import D2T, T2D, compatibility_problems, read_drafter
 from draftsmith.drafter_kinds import DEFAULT_KIND, KINDS
 from draftsmith.drafter_publish import capture_requests, publish
 from draftsmith.errors import TrainError
@@ -54,7 +55,6 @@ from draftsmith.run_config import RunConfig, flag_value
 from draftsmith.server import Endpoint, ServerSpec, managed_server
 from draftsmith.settings import item_settings
 from draftsmith.slot import GpuSlotError, check_gpu_slot
-from draftsmith.start_drafter import D2T, T2D, compatibility_problems, read_drafter
 from draftsmith.target import TargetShape, draft_vocab_problem, read_target_shape
 from draftsmith.trainer_process import run_trainer
 from draftsmith.training_checkpoints import chosen_epoch, drop_unfinished_epoch, reset_if_changed
