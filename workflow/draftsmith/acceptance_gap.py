@@ -50,6 +50,8 @@ from draftsmith.records import WHOLE_SET, AcceptanceGap, EvaluationSummary, Shar
 from draftsmith.run_config import RunConfig, flag_value
 from draftsmith.target import read_target_config, read_target_shape
 
+# Third-party names this module uses; the preflight checks each exists (preflight.declared).
+THIRD_PARTY = [("speculators.train.vocab_mapping", "build_vocab_mappings_from_distribution")]
 SAMPLE_QUESTIONS = 16  # training questions rendered again for the tokens check
 NOISE = 2.0  # standard errors of the difference beyond which a gap is real (about 95%)
 CONFIGURATION_CHECKS = ("tokens", "wiring", "numerics")

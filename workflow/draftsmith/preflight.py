@@ -344,7 +344,10 @@ def check_local_inputs(settings: RunConfig) -> list[str]:
         for key, spec in configured_sources(settings).items()
         if is_local_source(spec.source) and not Path(spec.source).expanduser().exists()
     ]
-    start = settings.training.from_pretrained
+    try:
+        start = settings.training.from_pretrained
+    except KeyError:  # a hand-written partial config without the section
+        start = None
     if start is not None and not Path(start).expanduser().exists():
         problems.append(
             f"training.from_pretrained {start} does not exist (a local drafter directory); fix the path in the config"

@@ -250,7 +250,7 @@ rule diagnose_gap:
     params:
         tracked=tracked("diagnose_gap"),
         config=RUN_CONFIG,
-        questions=path(LAYOUT.questions),
+        questions=lambda wildcards, input: os.path.dirname(input.questions[0]),
         hidden_states=lambda wildcards, input: (
             f"--hidden-states {shlex.join(input.hidden_states)}"
             if input.hidden_states
