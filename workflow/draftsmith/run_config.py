@@ -236,7 +236,7 @@ class TrainingSettings(Section):
     kinds: tuple[str, ...]
     kind_args: dict[str, list[str]]
     from_pretrained: str | None  # a drafter to start from (start_drafter.py)
-    fine_tune_lr: float  # the learning rate from it
+    fine_tune_lr: float | None  # the learning rate from it; None: training.lr
 
     @property
     def other_kinds(self) -> tuple[str, ...]:

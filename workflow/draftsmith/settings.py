@@ -199,7 +199,7 @@ DERIVED = {
     # Read only when training starts from a drafter: None (untracked) otherwise.
     "training.fine_tune_lr": (
         ("training.fine_tune_lr",),
-        lambda c: typed(c).training.fine_tune_lr if typed(c).training.from_pretrained else None,
+        lambda c: typed(c).training.fine_tune_lr if typed(c).training.from_pretrained else None,  # None: lr
     ),
 }
 

@@ -250,7 +250,7 @@ def speculators_args(
         "--epochs",
         str(training.epochs),
         "--lr",
-        str(training.lr if start is None else training.fine_tune_lr),
+        str(training.fine_tune_lr if start is not None and training.fine_tune_lr is not None else training.lr),
         "--total-seq-len",
         str(training.total_seq_len),
         "--seed",
