@@ -207,3 +207,25 @@ def test_the_schema_offers_exactly_the_drafter_kinds_and_free_methods_the_code_k
     schema = yaml.safe_load(Path(SCHEMA).read_text())["properties"]
     assert schema["training"]["properties"]["kinds"]["items"]["enum"] == list(KINDS)
     assert schema["evaluation"]["properties"]["free_methods"]["items"]["enum"] == list(FREE_METHODS)
+
+
+def readme_config(heading: str) -> dict:
+    """The first YAML block after a README heading: what a user copies."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index(f"## {heading}\n") :]
+    return yaml.safe_load(section.split("```yaml\n", 1)[1].split("```", 1)[0])
+
+
+def test_the_readmes_my_model_config_is_a_valid_config():
+    config = readme_config("Your model, your questions")
+    assert config_problem(copy.deepcopy(config), SCHEMA) is None
+    validate(config, SCHEMA)
+    run = RunConfig.from_dict(config)
+    assert cross_field_problems(run) == []
+    assert (run.device, run.gpu_slot, run.server.gpus) == ("cuda", 8, 8)
+
+
+def test_the_readmes_from_pretrained_example_is_a_valid_training_section():
+    config = readme_config("Your model, your questions") | readme_config("Start from a published drafter")
+    validate(config, SCHEMA)
+    assert RunConfig.from_dict(config).training.from_pretrained == "/models/Kimi-K2.5-eagle3"
