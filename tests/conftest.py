@@ -108,6 +108,17 @@ def demo_target(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture
+def target(tmp_path) -> Path:
+    """The demo target's config.json alone (6 layers, width 128, 226 tokens): what the checks
+    before any work read."""
+    model = tmp_path / "model"
+    model.mkdir()
+    config = {"num_hidden_layers": 6, "hidden_size": 128, "num_attention_heads": 2, "vocab_size": 226}
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tmp_path_factory) -> Path:
     """A model directory with a tokenizer and a config but no weights: enough for every

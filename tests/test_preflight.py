@@ -27,15 +27,6 @@ def demo_settings(model: Path) -> dict:
     return config
 
 
-@pytest.fixture
-def target(tmp_path):
-    model = tmp_path / "model"
-    model.mkdir()
-    config = {"num_hidden_layers": 6, "hidden_size": 128, "num_attention_heads": 2, "vocab_size": 226}
-    (model / "config.json").write_text(json.dumps(config))
-    return model
-
-
 def test_a_working_install_and_config_pass(target, tmp_path):
     assert preflight.run_checks(RunConfig.from_dict(demo_settings(target)), tmp_path / "results") == []
 

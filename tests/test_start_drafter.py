@@ -17,16 +17,6 @@ from draftsmith.layout import TrainPaths
 from draftsmith.run_config import RunConfig
 
 
-@pytest.fixture
-def target(tmp_path):
-    """The demo target's config: 6 layers, width 128, 226 tokens."""
-    model = tmp_path / "model"
-    model.mkdir()
-    config = {"num_hidden_layers": 6, "hidden_size": 128, "num_attention_heads": 2, "vocab_size": 226}
-    (model / "config.json").write_text(json.dumps(config))
-    return model
-
-
 def problems_for(target: Path, drafter: Path, tmp_path: Path, **training) -> list[str]:
     config = demo_settings(target)
     config["training"] |= {"from_pretrained": str(drafter), **training}

@@ -31,6 +31,7 @@ wall time, so a category's speed is per request: its tokens over its requests' l
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -178,7 +179,8 @@ def result_rows(drafter: Measurement, baseline: Measurement) -> list[SetResult |
         )
         if set(tallies) != {NO_CATEGORY}:
             for category, tally in tallies.items():
-                rows.append(_category_row(common, category, tally, base_tallies.get(category), k))
+                row = _category_row(common, category, tally, base_tallies.get(category), k)
+                rows.append(dataclasses.replace(row, **expected(metrics, k, phase.temperature)))
     return rows
 
 
