@@ -147,3 +147,16 @@ def test_the_stored_states_are_hugging_faces_at_the_configured_layers_and_not_th
     print(f"real checkpoint, fp32: worst token error {worst:.2e}, nearest wrong layer's median {nearest_wrong:.3f}")
     assert worst < 1e-3, worst
     assert nearest_wrong > 20 * 1e-3, nearest_wrong
+
+
+def test_validation_is_set_beside_serving_and_humaneval_is_out_of_its_distribution(real_run):
+    """What validation predicts against what vLLM served (eval/gap.json), held-out only: code
+    prompts are shown beside it as outside the chat data the drafter learnt, not diagnosed.
+    The real chat template renders the same prompt tokens at serving as in the training rows."""
+    gap = json.loads((real_run / "eval/gap.json").read_text())
+    print(gap["summary"])
+    assert len(gap["expected"]) == len(gap["served"]) == 3
+    assert gap["other_sets"]["humaneval"]["in_training_distribution"] is False
+    assert gap["other_sets"]["humaneval"]["expected"] is not None
+    tokens = next(check for check in gap["checks"] if check["check"] == "tokens")
+    assert not tokens["failed"] and tokens["evidence"]["compared"] > 0, tokens

@@ -143,6 +143,7 @@ def test_each_key_changed_alone_plans_exactly_what_the_table_says(demo_run):
     assert planned["evaluation.num_speculative_tokens=[3, 1, 2]"] == {
         "evaluate_drafter": 1,
         "evaluate": 1,
+        "diagnose_gap": 1,
         "plan_snapshot": 1,
         "run_metadata": 1,
     }
@@ -150,6 +151,7 @@ def test_each_key_changed_alone_plans_exactly_what_the_table_says(demo_run):
     assert planned['evaluation.free_methods=["ngram"]'] == {
         "evaluate_free_method": 2,
         "evaluate": 1,
+        "diagnose_gap": 1,
         "plan_snapshot": 1,
         "run_metadata": 1,
     }
@@ -158,6 +160,7 @@ def test_each_key_changed_alone_plans_exactly_what_the_table_says(demo_run):
         "train_kind": 1,
         "evaluate_kind": 2,
         "evaluate": 1,
+        "diagnose_gap": 1,
         "plan_snapshot": 1,
         "run_metadata": 1,
     }
