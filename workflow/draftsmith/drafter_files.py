@@ -45,8 +45,9 @@ class DrafterFacts:
 
     def describe(self) -> str:
         ids = "vLLM's default layers" if self.aux_layer_ids is None else f"layers {_ids(self.aux_layer_ids)}"
+        name = self.layout if self.layout == RESEARCH else f"{self.layout} {self.kind}"
         return (
-            f"{self.layout} {self.kind} drafter at {self.path}: reads {ids} of a target of hidden size "
+            f"{name} drafter at {self.path}: reads {ids} of a target of hidden size "
             f"{self.target_hidden_size} and vocabulary {self.target_vocab_size}, drafts from "
             f"{self.draft_vocab_size} tokens"
         )

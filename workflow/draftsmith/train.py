@@ -396,7 +396,7 @@ def run(
         if endpoint is not None:
             requests = capture_requests(endpoint)
             log(f"the capture server answered {requests} requests for rows past the disk budget")
-    started_from = f"{origin.summary} (from {origin.source})" if origin is not None else None
+    started_from = origin.summary if origin is not None else None
     validated = validation_positions(paths.dataset, list(settings.training.extra_args))
     publish(plan, paths, chosen_epoch(paths.checkpoints), split, requests, kind, started_from, validated)
 
