@@ -2,6 +2,7 @@
 run's drafter or config: what the acceptance-gap diagnosis must name, each by its own cause.
 Shared by tests/test_acceptance_gap.py and bench/acceptance_gap.py."""
 
+import contextlib
 import json
 import shutil
 from dataclasses import dataclass
@@ -38,10 +39,16 @@ class Run:
         return Layout(self.workdir / "results")
 
     def diagnosis(self) -> AcceptanceGap:
+        """As the rule runs it: in the run's directory, where the config's paths are relative."""
         layout = self.layout
         settings = read_settings(str(self.settings), "diagnose_gap")
         summary = EvaluationSummary.from_json(layout.acceptance.read_text())
         shards = sorted(p for p in layout.hidden_states.glob("shard_*") if p.is_dir())
+        with contextlib.chdir(self.workdir):
+            return self._diagnose(settings, summary, shards)
+
+    def _diagnose(self, settings, summary: EvaluationSummary, shards: list[Path]) -> AcceptanceGap:
+        layout = self.layout
         return diagnose(
             settings,
             summary,
