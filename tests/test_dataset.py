@@ -92,3 +92,26 @@ def test_one_pass_rows_end_before_the_final_token_and_captured_rows_come_first(t
         i = int(question[1:])
         assert input_ids == [1, 10 + i, 20 + i, 30 + i] and loss_mask == [0, 1, 1, 1]
     assert (tmp_path / "out" / "token_freq.pt").is_file()
+
+
+def test_one_pass_counts_the_final_answer_tokens_the_rows_leave_out(tmp_path):
+    """One pass: each row ends before its final answer token (almost always the end of the
+    turn). The draft vocabulary comes from the token counts, so those tokens are added to
+    them, or the drafter could never propose the end of an answer."""
+    from collections import Counter
+
+    import torch
+
+    end = 2
+    records = [{"id": f"q{i}", "input_ids": [1, 7, 8 + i, end], "loss_mask": [0, 1, 1, 1]} for i in range(3)]
+    records.append({"id": "q-cut", "input_ids": [1, 7, 30], "loss_mask": [0, 0, 0]})  # no answer token last
+    (tmp_path / "shards").mkdir()
+    dropped: Counter[int] = Counter()
+    merge_completions(write_shards(tmp_path / "shards", [records]), tmp_path / "merged.jsonl", 16, True, dropped)
+    rows = [json.loads(line)["input_ids"] for line in (tmp_path / "merged.jsonl").read_text().splitlines()]
+    assert all(end not in row for row in rows)  # the rows leave it out...
+    assert dropped == Counter({end: 3})  # ...and it is counted once per answer
+    frequencies = tmp_path / "token_freq.pt"
+    torch.save({7: 3, 8: 1}, frequencies)
+    dataset.count_final_tokens(frequencies, dropped)
+    assert torch.load(frequencies) == {7: 3, 8: 1, end: 3}

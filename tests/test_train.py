@@ -456,7 +456,7 @@ def published_copy(dataset: Path, hidden_states: Path, root: Path, items: str) -
 def test_checkpoints_survive_a_republish_but_not_new_data(dataset, hidden_states, tmp_path):
     """Resume on the same inputs by content: a republished copy (new files, new times) and
     speculators' own caches in the dataset directory resume; hidden states made under
-    other settings, or other tokens, do not."""
+    other settings, other token counts (another draft vocabulary) or other tokens do not."""
     from draftsmith.training_checkpoints import inputs_fingerprint
 
     before = inputs_fingerprint(published_copy(dataset, hidden_states, tmp_path / "a", "same"))
@@ -466,6 +466,9 @@ def test_checkpoints_survive_a_republish_but_not_new_data(dataset, hidden_states
     assert inputs_fingerprint(again) == before
     other = published_copy(dataset, hidden_states, tmp_path / "c", "other layers")
     assert inputs_fingerprint(other) != before
+    recounted = published_copy(dataset, hidden_states, tmp_path / "g", "same")  # another draft vocabulary
+    torch.save({1: 1}, recounted.dataset / "token_freq.pt")
+    assert inputs_fingerprint(recounted) != before
     rows = load_from_disk(str(dataset)).with_format(None).to_list()
     fingerprints = []
     for name, shift in (("e", 0), ("f", 1)):  # the same rows rewritten, then one token changed
