@@ -85,6 +85,7 @@ MATRIX = [
     ("training.seed", 1),
     ("training.stall_timeout_s", 100),
     ("training.extra_args", ["--log-freq", "5"]),
+    ("training.validation_fraction", 0.2),
     ("training.kinds", ["eagle3", "peagle"]),  # another kind: its training and measurements
     ("training.from_pretrained", "results/drafter"),  # the finished run's own drafter, to fine-tune
     ("training.fine_tune_lr", 0.0005),  # read only when starting from a drafter: nothing

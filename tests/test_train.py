@@ -1,5 +1,6 @@
 """The training stage: real `speculators train` on CPU over a tiny target and synthetic states."""
 
+import copy
 import json
 import os
 import random
@@ -12,12 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import heavy_processes_after, server_settings, write_shard_manifest
 from datasets import Dataset, load_from_disk
 from safetensors.torch import save_file
+from snakemake.utils import validate
 from transformers import AutoConfig
 
 from draftsmith import speculators_cpu, train
+from draftsmith.config_check import cross_field_problems
 from draftsmith.demo_model import build_demo_model
 from draftsmith.disk_budget import StoredRowFormat, dataset_row_tokens
 from draftsmith.layers import resolve_layers
@@ -25,6 +29,7 @@ from draftsmith.layout import TrainPaths
 from draftsmith.records import RowIds, TrainingMetrics
 from draftsmith.run_config import RunConfig
 from draftsmith.server import Endpoint
+from draftsmith.settings import reruns_between, tracked_settings
 from draftsmith.slot import GpuSlotError
 from draftsmith.train import (
     TrainError,
@@ -35,6 +40,7 @@ from draftsmith.train import (
 )
 from draftsmith.training_checkpoints import drop_unfinished_epoch, reset_if_changed
 
+ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [1, 2, 4, 5]  # the demo's: aux vLLM ids 2, 3, 5; layer 5 (of 6) is the target
 AUX_VLLM_IDS = [2, 3, 5]
 HIDDEN = 128
@@ -124,6 +130,7 @@ def settings(target: Path, **training) -> dict:
             "seed": 0,
             "stall_timeout_s": 600,
             "extra_args": [],
+            "validation_fraction": 0.1,
             **training,
         },
     }
@@ -398,6 +405,33 @@ def test_another_kind_changes_only_the_type_and_eagle3_keeps_its_recorded_comman
     assert peagle == [*eagle3[:-2], "--speculator-type", "peagle", "--x", "1", "--num-depths", "3"]
     dflash2 = speculators_args(run, plan, paths, kind="dflash2", target_vocab_size=226)
     assert dflash2[-6:] == ["--speculator-type", "dflash2", "--draft-vocab-size", "226", "--x", "1"]
+
+
+def test_the_validation_fraction_sizes_the_trainers_split_and_changes_nothing_at_its_default(dataset, tmp_path):
+    """training.validation_fraction is speculators' --train-data-ratio turned around. At its
+    default (speculators' own) the command and the params are those of runs made before the
+    key existed, so they neither re-run nor restart their checkpoints."""
+    plan, paths = resolve_layers(LAYERS, 6), stage_paths(tmp_path, tmp_path / "dataset", tmp_path / "hs")
+    demo = Path("/models/demo")
+    default = speculators_args(RunConfig.from_dict(settings(demo)), plan, paths)
+    assert "--train-data-ratio" not in default
+    quarter = speculators_args(RunConfig.from_dict(settings(demo, validation_fraction=0.25)), plan, paths)
+    assert quarter == [*default, "--train-data-ratio", "0.75"]
+    # The split the prediction's noise band is counted on follows it.
+    assert train.validation_positions(dataset, 0.25) > train.validation_positions(dataset, 0.1) > 0
+
+    config = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    validate(config, str(ROOT / "workflow/schemas/config.schema.yaml"))
+    assert "training.validation_fraction" not in tracked_settings(config, "train")
+    changed = copy.deepcopy(config)
+    changed["training"]["validation_fraction"] = 0.25
+    assert tracked_settings(changed, "train")["training.validation_fraction"] == 0.25
+    assert reruns_between(config, changed) >= {"train", "evaluate_drafter", "evaluate"}
+    assert "untrained_drafter" not in reruns_between(config, changed)  # never validated
+    # One place to set it.
+    changed["training"]["extra_args"] = ["--train-data-ratio", "0.5"]
+    (problem,) = cross_field_problems(RunConfig.from_dict(changed))
+    assert problem.startswith("config training.extra_args sets --train-data-ratio") and "validation_fraction" in problem
 
 
 def test_cpu_adaptations_leave_an_accelerator_machine_alone(monkeypatch):

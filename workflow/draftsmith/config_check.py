@@ -17,7 +17,7 @@ from jsonschema.exceptions import best_match
 from jsonschema.validators import validator_for
 
 from draftsmith.drafter_kinds import DEFAULT_KIND, serving_problem
-from draftsmith.run_config import RunConfig
+from draftsmith.run_config import RunConfig, flag_value
 
 
 def config_problem(config: dict[str, Any], schema_path: str | Path) -> str | None:
@@ -56,6 +56,11 @@ def cross_field_problems(config: RunConfig) -> list[str]:
         problems.append(
             "config hidden_states.capture during_generation stores states, but disk_budget 0 stores none; "
             "set capture: separate, or a disk budget above 0"
+        )
+    if flag_value(config.training.extra_args, "--train-data-ratio") is not None:
+        problems.append(
+            "config training.extra_args sets --train-data-ratio, which training.validation_fraction decides; "
+            "remove it and set training.validation_fraction (one minus the ratio)"
         )
     kinds = config.training.kinds
     if DEFAULT_KIND not in kinds:

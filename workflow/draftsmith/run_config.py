@@ -67,6 +67,9 @@ class Declaration:
     shapes: tuple[str, ...]
     extent: tuple[str, ...]
     reads: tuple[str, ...]
+    # A key added after runs exist: at its default it is left out of the rules' params, so
+    # those runs are not re-run by the upgrade (as a derived mode that is off: settings.off).
+    added_later: bool = False
 
 
 _DECLARATION = "draftsmith.declaration"
@@ -79,10 +82,12 @@ def setting(
     shapes: tuple[str, ...] = (),
     extent: tuple[str, ...] = (),
     reads: tuple[str, ...] = (),
+    added_later: bool = False,
     **constraints: Any,
 ) -> Any:
     """A field that declares its config key (``Declaration``)."""
-    return field(metadata={_DECLARATION: Declaration(doc, default, constraints, shapes, extent, reads)})
+    declared = Declaration(doc, default, constraints, shapes, extent, reads, added_later)
+    return field(metadata={_DECLARATION: declared})
 
 
 def declaration(f: Field[Any]) -> Declaration:
@@ -612,6 +617,18 @@ class TrainingSettings(Section):
         default={},
         shapes=("train_kind",),
         propertyNames={"enum": KINDS_WITH_OWN_ARGS},
+    )
+    validation_fraction: float = setting(
+        "Share of the training rows (the last ones) the trainer keeps out of training to validate on. Its "
+        'per-position accuracy is what the evaluation\'s "validation predicts" column shows beside served '
+        "acceptance, so a larger share narrows that prediction's noise band, at the cost of training rows. "
+        "`speculators train --train-data-ratio` is one minus this.",
+        default=0.1,
+        shapes=TRAINERS,
+        reads=("untrained_drafter",),  # a dry run: never trained, never validated
+        added_later=True,
+        exclusiveMinimum=0,
+        exclusiveMaximum=1,
     )
     from_pretrained: str | None = setting(
         "A published drafter to fine-tune instead of training from scratch: a local directory in speculators' "

@@ -112,6 +112,8 @@ def _operational_env(name: str) -> bool:
     return name in OPERATIONAL_SERVER_ENV or name.startswith(OPERATIONAL_ENV_PREFIXES)
 
 
+KEYS = declarations()
+
 # The starting drafter by content (training.from_pretrained).
 STARTING_DRAFTER = "training.from_pretrained_content"
 
@@ -242,8 +244,12 @@ DERIVED = {
 def off(key: str, value: Any) -> bool:
     """A derived setting that is None is a mode left off (a disk budget, fp8 storage): it is
     left out of params, so the runs made before the mode existed keep theirs and are not
-    re-run by an upgrade. A new mode off by default is a derived setting that is None."""
-    return key in DERIVED and value is None
+    re-run by an upgrade. A new mode off by default is a derived setting that is None; a new
+    key is declared ``added_later`` and is left out at its default."""
+    if key in DERIVED:
+        return value is None
+    declared = KEYS.get(key)
+    return declared is not None and declared.added_later and value == declared.default
 
 
 # Settings whose every value is a job of its own (the value is in the output's name): a new
@@ -317,7 +323,7 @@ def _stages() -> dict[str, Stage]:
     """Each rule's settings, gathered from the declarations of the keys (run_config.py) and of
     the derived settings. A declaration that names no rule of the workflow fails here."""
     roles: dict[str, dict[str, list[str]]] = {rule: {"shaping": [], "extent": [], "operational": []} for rule in RULES}
-    declared = [(key, d.shapes, d.extent, d.reads) for key, d in declarations().items()]
+    declared = [(key, d.shapes, d.extent, d.reads) for key, d in KEYS.items()]
     declared += [(key, d.shapes, d.extent, d.reads) for key, d in DERIVED.items()]
     for key, shapes, extent, reads in declared:
         for role, rules in (("shaping", shapes), ("extent", extent), ("operational", reads)):

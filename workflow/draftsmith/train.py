@@ -51,7 +51,7 @@ from draftsmith.layout import (
 )
 from draftsmith.progress import log
 from draftsmith.records import DrafterOrigin, RowIds
-from draftsmith.run_config import RunConfig, flag_value
+from draftsmith.run_config import RunConfig
 from draftsmith.server import Endpoint, ServerSpec, managed_server
 from draftsmith.settings import item_settings
 from draftsmith.slot import GpuSlotError, check_gpu_slot
@@ -120,14 +120,14 @@ def check_dataset(dataset: Path) -> int:
     return rows
 
 
-# speculators' default share of the rows it trains on; the rest, the last rows, validate.
-TRAIN_DATA_RATIO = 0.9
+# speculators' default share of the rows it validates on: its last rows.
+SPECULATORS_VALIDATION_FRACTION = 0.1
 
 
-def validation_positions(dataset: Path, extra_args: list[str]) -> int:
+def validation_positions(dataset: Path, validation_fraction: float) -> int:
     """Trainable positions of speculators' validation split (its last rows, after the shift
     that pairs each token with the state before it): how well full_acc_i is known."""
-    ratio = float(flag_value(extra_args, "--train-data-ratio") or TRAIN_DATA_RATIO)
+    ratio = 1 - validation_fraction
     rows = load_from_disk(str(dataset)).with_format(None)
     masks = rows.select(range(int(rows.num_rows * ratio), rows.num_rows))["loss_mask"]
     return sum(sum(mask[1:]) for mask in masks)
@@ -271,6 +271,8 @@ def speculators_args(
         argv += CPU_TRAINER_FLAGS
     if settings.target.trust_remote_code:
         argv.append("--trust-remote-code")
+    if training.validation_fraction != SPECULATORS_VALIDATION_FRACTION:  # else the command of earlier runs
+        argv += ["--train-data-ratio", str(1 - training.validation_fraction)]
     if start is not None:
         # Its output head's rows are indexed by its own map: one recomputed from this run's
         # token frequencies would point each learnt row at another token.
@@ -397,7 +399,7 @@ def run(
             requests = capture_requests(endpoint)
             log(f"the capture server answered {requests} requests for rows past the disk budget")
     started_from = origin.summary if origin is not None else None
-    validated = validation_positions(paths.dataset, list(settings.training.extra_args))
+    validated = validation_positions(paths.dataset, settings.training.validation_fraction)
     publish(plan, paths, chosen_epoch(paths.checkpoints), split, requests, kind, started_from, validated)
 
 
