@@ -41,10 +41,9 @@ from results_file import RESULTS, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "workflow"))
-from draftsmith.evaluate import acceptance_length, merged  # noqa: E402
 from draftsmith.evaluation_summary import tokens_per_step  # noqa: E402
 from draftsmith.layout import Layout  # noqa: E402
-from draftsmith.records import EvaluationSummary, Measurement, TrainingMetrics  # noqa: E402
+from draftsmith.records import EvaluationSummary, Measurement, TrainingMetrics, acceptance_length, merged  # noqa: E402  # noqa: E402
 
 CONFIG = ROOT / "config/smollm2-sharegpt.yaml"
 TIMESTAMP = re.compile(r"^\[(\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4})\]$")

@@ -39,10 +39,13 @@ import yaml
 from results_file import write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
-from draftsmith.evaluate import acceptance_length, merged  # noqa: E402
-from draftsmith.evaluation_sets import HELDOUT  # noqa: E402
 from draftsmith.layout import Layout  # noqa: E402
-from draftsmith.records import Measurement  # noqa: E402
+from draftsmith.records import (  # noqa: E402
+    HELDOUT,
+    Measurement,  # noqa: E402
+    acceptance_length,
+    merged,
+)
 
 DRAFT_LENGTH = 3
 SAMPLE_EVERY_S = 0.25

@@ -24,7 +24,7 @@ from results_file import write_result
 
 from draftsmith.gguf_target import main as convert_gguf
 from draftsmith.prompt_length import PromptLimit, PromptMeter
-from draftsmith.questions import collect_questions, read_rows
+from draftsmith.question_sources import collect_questions, read_rows
 from draftsmith.server import ServerSpec, managed_server
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,17 +13,19 @@ from conftest import ROOT
 from snakemake.utils import validate
 
 from draftsmith import evaluation_sets
-from draftsmith.evaluate import (
-    EvaluationError,
-    Phase,
-    Tally,
-    acceptance_length,
-    check_against_server,
-    relative_spread,
-)
+from draftsmith.evaluate import EvaluationError, check_against_server
 from draftsmith.evaluation_report import tables_html
 from draftsmith.evaluation_summary import by_method_and_length, per_position, run, summarize, tokens_per_step
-from draftsmith.records import EvaluationSummary, Measurement, RecordError
+from draftsmith.records import (
+    EvaluationSummary,
+    Measurement,
+    Phase,
+    RecordError,
+    Tally,
+    acceptance_length,
+    read_prompts,
+    relative_spread,
+)
 from draftsmith.run_config import RunConfig
 from draftsmith.settings import tracked_settings
 
@@ -319,7 +321,7 @@ def test_sets_read_prompt_fields_categories_and_limits(tmp_path, tiny_tokenizer)
     }
     output = tmp_path / "prompts.jsonl"
     sizes = evaluation_sets.run(sets_config(tiny_tokenizer, sets), heldout, output, tmp_path / "sets.json")
-    prompts = evaluation_sets.read_prompts(output)
+    prompts = read_prompts(output)
     assert {name: sum(c.values()) for name, c in sizes.items()} == {"heldout": 1, "gsm8k": 3, "mt_bench": 2}
     assert [p["category"] for p in prompts if p["set"] == "mt_bench"] == ["writing", "math"]
     assert prompts[1]["messages"] == [{"role": "user", "content": "what is 0+1?"}]
@@ -341,7 +343,7 @@ def test_multi_turn_sets_keep_the_later_turns_that_fit_with_every_answer_at_max_
     )
     config = sets_config(tiny_tokenizer, {"mt": {"source": mt}}, max_model_len=100, max_tokens=30, turns="all")
     evaluation_sets.run(config, heldout, tmp_path / "prompts.jsonl", tmp_path / "sets.json")
-    prompts = {p["messages"][-1]["content"]: p for p in evaluation_sets.read_prompts(tmp_path / "prompts.jsonl")}
+    prompts = {p["messages"][-1]["content"]: p for p in read_prompts(tmp_path / "prompts.jsonl")}
     assert [m["content"] for m in prompts["now shorter"]["messages"]] == ["write a poem", "now shorter"]
     assert "again" in prompts and [m["content"] for m in prompts["prove it"]["messages"]] == ["prove it"]
     assert [m["content"] for m in prompts["ho"]["messages"]] == ["hi", "ho"]  # the held-out split too
@@ -413,7 +415,7 @@ def test_prompts_with_no_room_for_the_answer_are_dropped_and_counted_per_set(tmp
     output, summary = tmp_path / "prompts.jsonl", tmp_path / "sets.json"
     sizes = evaluation_sets.run(config, heldout, output, summary)
     assert {name: sum(c.values()) for name, c in sizes.items()} == {"heldout": 1, "chat": 2}
-    assert [p["id"] for p in evaluation_sets.read_prompts(output)][0] == "h1"
+    assert [p["id"] for p in read_prompts(output)][0] == "h1"
     reason = "prompt over 60 tokens (no room for evaluation.max_tokens 40 in server.max_model_len 100)"
     record = json.loads(summary.read_text())
     assert record["max_prompt_tokens"] == 60
@@ -643,7 +645,7 @@ def per_position_page(drafts: int, accepted_by_position: list[int]) -> str:
 def test_a_vllm_without_per_request_metrics_gives_the_histogram_from_its_counters():
     """vLLM 0.26 has no per-request acceptance: the steps between two readings of its
     per-position counters give the same histogram (steps that accepted exactly j tokens)."""
-    from draftsmith.evaluate import acceptance_length, histogram_between, spec_decode_counters
+    from draftsmith.evaluate import histogram_between, spec_decode_counters
     from draftsmith.records import Tally
 
     before = spec_decode_counters(per_position_page(4, [3, 2, 1]))

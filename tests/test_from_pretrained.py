@@ -179,7 +179,7 @@ def test_a_map_recomputed_from_other_data_would_cost_acceptance(fine_tuned, tmp_
 
 
 def _heldout_acceptance(job: Measurement) -> float:
-    from draftsmith.evaluate import acceptance_length, merged
+    from draftsmith.records import acceptance_length, merged
 
     phase = next(p for p in job.phases if p.set == "heldout" and p.temperature == 0.0)
     return acceptance_length(merged(phase.categories.values()))

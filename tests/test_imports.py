@@ -4,26 +4,20 @@ refactor makes them real), and no stage imports another stage (what two stages s
 in a module of its own, such as capture_server)."""
 
 import ast
+import re
 from pathlib import Path
 
 from conftest import ROOT
 
 PACKAGE = ROOT / "workflow" / "draftsmith"
-# The modules a rule runs as a step of the workflow (python -m draftsmith.<stage>).
-STAGES = {
-    "questions",
-    "generate",
-    "dataset",
-    "extract",
-    "train",
-    "evaluate",
-    "gguf_target",
-    "demo_model",
-    "report",
-    "plan",
-    "start_drafter",
-    "acceptance_gap",
-}
+RULE_FILES = [ROOT / "Snakefile", *sorted((ROOT / "workflow" / "rules").glob("*.smk"))]
+
+
+def stage_modules() -> set[str]:
+    """The modules the rules run as steps of the workflow: ``python -m draftsmith.<stage>``,
+    in a shell command or an argument list. Read from the rules, so a new stage is counted."""
+    pattern = re.compile(r"""-m["',\s]+draftsmith\.([a-z_]+)""")
+    return {name for path in RULE_FILES for name in pattern.findall(path.read_text())}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -73,8 +67,15 @@ def test_the_package_has_no_import_cycle():
     assert cycle is None, f"import cycle: {' -> '.join(cycle or [])}; move what both need into a module of its own"
 
 
+def test_the_stages_are_read_from_the_rules():
+    stages = stage_modules()
+    # The shell form and the argument-list form (the preflight, run at every start).
+    assert {"questions", "generate", "train", "evaluate", "evaluation_summary", "preflight"} <= stages
+    assert "settings" not in stages and "records" not in stages
+
+
 def test_no_stage_imports_another_stage():
-    graph = import_graph()
-    assert STAGES <= set(graph), f"stages that are no module of the package: {sorted(STAGES - set(graph))}"
-    crossings = [f"{stage} imports {other}" for stage in sorted(STAGES) for other in sorted(graph[stage] & STAGES)]
+    graph, stages = import_graph(), stage_modules()
+    assert stages <= set(graph), f"stages that are no module of the package: {sorted(stages - set(graph))}"
+    crossings = [f"{stage} imports {other}" for stage in sorted(stages) for other in sorted(graph[stage] & stages)]
     assert not crossings, "; ".join(crossings) + ": move what they share into a module of its own"

@@ -12,8 +12,8 @@ from snakemake.utils import validate
 
 from draftsmith import dataset, generate, layout, preflight, prompt_length, train
 from draftsmith.layers import resolve_layers
-from draftsmith.plan import plan_for
 from draftsmith.run_config import RunConfig
+from draftsmith.run_costs import plan_for
 from draftsmith.server import ServerSpec
 from draftsmith.settings import stage_view
 from draftsmith.target import read_target_config

@@ -12,10 +12,11 @@ import pytest
 import yaml
 from snakemake.utils import validate
 
-from draftsmith import plan as plan_module
+from draftsmith import run_costs
 from draftsmith.disk_budget import StoredRowFormat, parse_budget
-from draftsmith.plan import format_plan, plan_for
+from draftsmith.plan import format_plan
 from draftsmith.run_config import RunConfig
+from draftsmith.run_costs import plan_for
 
 ROOT = Path(__file__).resolve().parents[1]
 KIMI_TEXT_CONFIG = {"num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 163840, "num_attention_heads": 64}
@@ -138,14 +139,14 @@ def test_kimi_at_600k_questions_plans_offline_a_budget_that_fits_and_online(tmp_
     settings = kimi_settings(tmp_path, wrapped=True)
     settings["questions"]["limit"] = 600_000
     free = 20 * 2**40  # 20 TiB free under results_dir
-    monkeypatch.setattr(plan_module.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(free, 0, free))
+    monkeypatch.setattr(run_costs.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(free, 0, free))
     plan = plan_for(RunConfig.from_dict(settings), tmp_path / "results")
     modes = modes_by_name(plan)
     rows, epochs = plan["questions_train"], settings["training"]["epochs"]
     assert modes["offline"]["stored_bytes"] > 100 * 10**12  # hundreds of TB
     assert modes["offline"]["capture_passes"] == 0 and modes["offline"]["model_loads"] == 1
     fits = modes["budget that fits"]
-    assert fits["peak_disk_bytes"] <= free * plan_module.FREE_DISK_SHARE < modes["offline"]["peak_disk_bytes"]
+    assert fits["peak_disk_bytes"] <= free * run_costs.FREE_DISK_SHARE < modes["offline"]["peak_disk_bytes"]
     assert 0 < fits["rows_stored"] < rows
     assert fits["capture_passes"] == (rows - fits["rows_stored"]) * epochs and fits["model_loads"] == 2
     online = modes["online"]
@@ -154,7 +155,7 @@ def test_kimi_at_600k_questions_plans_offline_a_budget_that_fits_and_online(tmp_
     assert online["peak_disk_bytes"] == 8 * 4 * KIMI_ROW.row_bytes(8192)
     table = format_plan(plan)
     suggested = re.search(r'set hidden_states.disk_budget: "([^"]+)"', table).group(1)
-    assert parse_budget(suggested) <= free * plan_module.FREE_DISK_SHARE
+    assert parse_budget(suggested) <= free * run_costs.FREE_DISK_SHARE
 
 
 @pytest.mark.parametrize("stored_dtype", ["served", "fp8"])

@@ -389,11 +389,11 @@ def test_the_flags_the_stages_pass_are_the_declared_ones(tmp_path):
 
 def test_hidden_states_past_the_free_disk_name_the_budget_that_fits(target, tmp_path, monkeypatch):
     """Offline does not fit: one line with the budget that does; with that budget set, it passes."""
-    from draftsmith import plan
+    from draftsmith import run_costs
 
     settings = demo_settings(target)
     free = 2 * 10**6  # 2 MB free: the demo's hidden states need more
-    monkeypatch.setattr(plan.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(free, 0, free))
+    monkeypatch.setattr(run_costs.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(free, 0, free))
     [problem] = preflight.check_disk(RunConfig.from_dict(settings), tmp_path / "results")
     budget = re.search(r"set hidden_states.disk_budget: (\"[^\"]+\") \(training captures the other rows\)", problem)
     assert budget and "\n" not in problem, problem

@@ -7,6 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from draftsmith import question_sources as qs
 from draftsmith import questions as q
 from draftsmith.run_config import RunConfig
 
@@ -67,10 +68,10 @@ ROWS = [
 
 
 def test_every_common_shape_becomes_a_prompt():
-    assert q.prompt_turns(ROWS[0]) == (("system", "Be brief."), ("user", "count to 3"))
-    assert q.prompt_turns(ROWS[1]) == (("user", "spell cat"),)
-    assert q.prompt_turns(ROWS[2]) == (("user", "repeat hi twice"),)
-    assert q.prompt_turns(ROWS[3]) == (("user", "reverse a b"),)
+    assert qs.prompt_turns(ROWS[0]) == (("system", "Be brief."), ("user", "count to 3"))
+    assert qs.prompt_turns(ROWS[1]) == (("user", "spell cat"),)
+    assert qs.prompt_turns(ROWS[2]) == (("user", "repeat hi twice"),)
+    assert qs.prompt_turns(ROWS[3]) == (("user", "reverse a b"),)
 
 
 @pytest.mark.parametrize(
@@ -86,8 +87,8 @@ def test_every_common_shape_becomes_a_prompt():
     ],
 )
 def test_bad_rows_name_their_reason(row, reason):
-    with pytest.raises(q.BadRow, match=reason):
-        q.prompt_turns(row)
+    with pytest.raises(qs.BadRow, match=reason):
+        qs.prompt_turns(row)
 
 
 SPLIT_PART = {  # ShareGPT split long conversations into parts: this one starts with the assistant
@@ -110,17 +111,17 @@ SPLIT_PART = {  # ShareGPT split long conversations into parts: this one starts 
 def test_all_turns_keep_every_user_turn_and_drop_the_sources_answers():
     """``all``: system first, then each user turn (those with no reply between them as one);
     leading assistant turns are skipped and said so; a late system turn is dropped."""
-    messages, skipped = q.conversation(SPLIT_PART, q.ALL)
+    messages, skipped = qs.conversation(SPLIT_PART, qs.ALL)
     assert skipped and messages == (
         ("system", "Be brief."),
         ("user", "shorter please"),
         ("user", "thanks\n\none more?"),
         ("user", "bye"),
     )
-    assert q.conversation(SPLIT_PART, q.FIRST) == ((("system", "Be brief."), ("user", "shorter please")), True)
-    assert q.conversation(ROWS[0], q.ALL)[0] == (("system", "Be brief."), ("user", "count to 3"), ("user", "again"))
-    assert q.conversation(ROWS[1], q.ALL) == ((("user", "spell cat"),), False)
-    assert q.conversation({"prompt": ["write a poem", "now shorter"]}, q.ALL)[0] == (
+    assert qs.conversation(SPLIT_PART, qs.FIRST) == ((("system", "Be brief."), ("user", "shorter please")), True)
+    assert qs.conversation(ROWS[0], qs.ALL)[0] == (("system", "Be brief."), ("user", "count to 3"), ("user", "again"))
+    assert qs.conversation(ROWS[1], qs.ALL) == ((("user", "spell cat"),), False)
+    assert qs.conversation({"prompt": ["write a poem", "now shorter"]}, qs.ALL)[0] == (
         ("user", "write a poem"),
         ("user", "now shorter"),
     )
@@ -163,7 +164,7 @@ def test_dedup_by_normalized_content_and_stable_ids(tmp_path, tiny_tokenizer):
 
 
 def test_split_is_deterministic_and_a_seed_changes_it():
-    pool = [q.Question(f"q{i:04d}", (("user", f"question {i}"),)) for i in range(200)]
+    pool = [qs.Question(f"q{i:04d}", (("user", f"question {i}"),)) for i in range(200)]
     shards_a, held_a = q.split_questions(pool, heldout=20, shards=4, seed=0)
     shards_b, held_b = q.split_questions(pool, heldout=20, shards=4, seed=0)
     _, held_c = q.split_questions(pool, heldout=20, shards=4, seed=1)
@@ -174,7 +175,7 @@ def test_split_is_deterministic_and_a_seed_changes_it():
 
 
 def test_growing_the_pool_keeps_questions_in_their_shard():
-    pool = [q.Question(f"q{i:04d}", (("user", f"question {i}"),)) for i in range(300)]
+    pool = [qs.Question(f"q{i:04d}", (("user", f"question {i}"),)) for i in range(300)]
     small, _ = q.split_questions(pool[:200], heldout=1, shards=3, seed=0)
     large, held = q.split_questions(pool, heldout=1, shards=3, seed=0)
     shard_of = {x.id: i for i, shard in enumerate(large) for x in shard}
@@ -231,27 +232,27 @@ def test_a_json_array_is_read_as_a_stream_and_a_cut_off_file_keeps_its_complete_
         == 1
     )
     (tmp_path / "object.json").write_text('{"rows": []}')
-    with pytest.raises(q.QuestionsError, match="must hold a JSON array of rows"):
+    with pytest.raises(qs.QuestionsError, match="must hold a JSON array of rows"):
         q.run(settings(tmp_path / "object.json", tiny_tokenizer), tmp_path / "c")
 
 
 def test_zero_usable_questions_is_a_clear_error(tmp_path, tiny_tokenizer):
     path = write_jsonl(tmp_path / "in.jsonl", [{"text": "x"}, {"messages": []}])
-    with pytest.raises(q.QuestionsError, match="no usable questions"):
+    with pytest.raises(qs.QuestionsError, match="no usable questions"):
         q.run(settings(path, tiny_tokenizer), tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
 def test_empty_or_missing_source_is_a_clear_error(tmp_path, tiny_tokenizer):
     (tmp_path / "empty.jsonl").write_text("")
-    with pytest.raises(q.QuestionsError, match="is empty"):
+    with pytest.raises(qs.QuestionsError, match="is empty"):
         q.run(settings(tmp_path / "empty.jsonl", tiny_tokenizer), tmp_path / "out")
-    with pytest.raises(q.QuestionsError, match="does not exist"):
+    with pytest.raises(qs.QuestionsError, match="does not exist"):
         q.run(settings(tmp_path / "absent.jsonl", tiny_tokenizer), tmp_path / "out")
 
 
 def test_heldout_larger_than_pool_is_a_clear_error(tmp_path, tiny_tokenizer):
-    with pytest.raises(q.QuestionsError, match="lower questions.heldout"):
+    with pytest.raises(qs.QuestionsError, match="lower questions.heldout"):
         q.run(settings(write_jsonl(tmp_path / "in.jsonl", ROWS), tiny_tokenizer, heldout=6), tmp_path / "out")
 
 

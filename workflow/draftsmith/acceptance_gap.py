@@ -42,11 +42,10 @@ from typing import Any
 
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
-from draftsmith.evaluation_sets import HELDOUT
 from draftsmith.layers import resolve_layers
 from draftsmith.layout import SHARD_MANIFEST, TOKEN_FREQUENCIES
 from draftsmith.progress import log
-from draftsmith.records import WHOLE_SET, AcceptanceGap, EvaluationSummary, ShardManifest, TrainingMetrics
+from draftsmith.records import HELDOUT, WHOLE_SET, AcceptanceGap, EvaluationSummary, ShardManifest, TrainingMetrics
 from draftsmith.run_config import RunConfig, flag_value
 from draftsmith.target import read_target_config, read_target_shape
 

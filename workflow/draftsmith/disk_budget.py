@@ -174,3 +174,11 @@ def row_split(dataset: Path, budget: int | None, row: StoredRowFormat) -> RowSpl
         # so no stored row needs a server of its own.
         stored = min(stored, captured.captured)
     return RowSplit(len(tokens), stored)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

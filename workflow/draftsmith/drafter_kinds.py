@@ -14,6 +14,7 @@ layers and the last configured layer (``layers``), so a second kind costs no ext
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from draftsmith import vllm_build
@@ -121,3 +122,13 @@ def speculative_config(kind: str, drafter: str, num_speculative_tokens: int) -> 
     """The value of vLLM's ``--speculative-config`` that serves a ``kind`` drafter. The method
     is always named: without it vLLM serves a drafter directory as a plain draft model."""
     return {"model": drafter, **KINDS[kind].serving, "num_speculative_tokens": num_speculative_tokens}
+
+
+def drafter_speculative_config(drafter: Path, num_speculative_tokens: int, kind: str = DEFAULT_KIND) -> dict[str, Any]:
+    """The value of vLLM's ``--speculative-config`` that serves ``drafter`` (of ``kind``)."""
+    return speculative_config(kind, str(drafter.resolve()), num_speculative_tokens)
+
+
+def free_method_config(method: str, num_speculative_tokens: int) -> dict[str, Any]:
+    """The value of vLLM's ``--speculative-config`` for a method that needs no drafter."""
+    return {"method": method, "num_speculative_tokens": num_speculative_tokens, **FREE_METHODS[method].options}

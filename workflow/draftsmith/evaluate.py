@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import math
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -46,11 +45,17 @@ from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
 from draftsmith.client import SPECULATORS_CLIENT, chat_poster, open_session
 from draftsmith.conversation_turns import turn_messages, turn_requests
-from draftsmith.drafter_kinds import DEFAULT_KIND, FREE_METHODS, KINDS
-from draftsmith.drafter_kinds import speculative_config as kind_speculative_config
-from draftsmith.evaluation_sets import read_prompts
+from draftsmith.drafter_kinds import DEFAULT_KIND, FREE_METHODS, KINDS, drafter_speculative_config, free_method_config
 from draftsmith.progress import Progress, log
-from draftsmith.records import Measurement, Phase, Tally, summed
+from draftsmith.records import (
+    Measurement,
+    Phase,
+    acceptance_length,
+    accepted_tokens,
+    merged,
+    read_prompts,
+    summed,
+)
 from draftsmith.run_config import RunConfig
 from draftsmith.server import Endpoint, ServerSpec, counter_totals, read_metrics
 from draftsmith.server_stage import RequestPolicy, ServerStage, StageError
@@ -250,46 +255,6 @@ def speculation_label(speculation: dict[str, Any] | None) -> str:
     return f"{Path(speculation['model']).name}, k={speculation['num_speculative_tokens']}"
 
 
-def merged(tallies) -> Tally:
-    total = Tally()
-    for tally in tallies:
-        total.requests += tally.requests
-        total.completion_tokens += tally.completion_tokens
-        total.request_seconds += tally.request_seconds
-        total.draft_tokens += tally.draft_tokens
-        total.histogram = summed(total.histogram, tally.histogram)
-        total.speed_sum += tally.speed_sum
-        total.speed_squares += tally.speed_squares
-    return total
-
-
-def relative_spread(tally: Tally) -> float:
-    """The spread of a speed measured on these requests, as a share of it: two standard errors
-    of the mean per-request speed over that mean (about a 95% interval).
-
-    Why per request: a phase is one wall-clock measurement, so its throughput has no spread
-    of its own, and repeating every phase would double the evaluation. The requests' own
-    speeds vary with the prompt, the batch they shared and the machine's other work; their
-    mean is known to within this share, and a throughput built from the same requests is
-    taken to be known as well as that mean."""
-    n = tally.requests
-    if n < 2 or tally.speed_sum <= 0:
-        return 0.0
-    mean = tally.speed_sum / n
-    variance = max(tally.speed_squares / n - mean**2, 0.0) * n / (n - 1)
-    return 2 * math.sqrt(variance / n) / mean
-
-
-def acceptance_length(tally: Tally) -> float:
-    steps = sum(tally.histogram)
-    return 1.0 + accepted_tokens(tally) / steps if steps else 1.0
-
-
-def accepted_tokens(tally: Tally) -> int:
-    """Draft tokens accepted over all verify steps: histogram[j] steps accepted j each."""
-    return sum(j * n for j, n in enumerate(tally.histogram))
-
-
 def check_against_server(
     phases: list[Phase], counters: dict[str, Any], label: str, retried: int = 0, drafts_expected: bool = True
 ) -> None:
@@ -322,16 +287,6 @@ def check_against_server(
         f"{disagreement}; the per-request spec-decode metrics of this vLLM differ from what "
         "draftsmith reads: pin the tested vLLM release"
     )
-
-
-def speculative_config(drafter: Path, num_speculative_tokens: int, kind: str = DEFAULT_KIND) -> dict[str, Any]:
-    """The value of vLLM's ``--speculative-config`` that serves ``drafter`` (of ``kind``)."""
-    return kind_speculative_config(kind, str(drafter.resolve()), num_speculative_tokens)
-
-
-def free_method_config(method: str, num_speculative_tokens: int) -> dict[str, Any]:
-    """The value of vLLM's ``--speculative-config`` for a method that needs no drafter."""
-    return {"method": method, "num_speculative_tokens": num_speculative_tokens, **FREE_METHODS[method].options}
 
 
 def run(
@@ -384,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = read_settings(args.settings, args.stage)
     speculation = None
     if args.drafter is not None:
-        speculation = speculative_config(args.drafter, args.num_speculative_tokens, args.kind or DEFAULT_KIND)
+        speculation = drafter_speculative_config(args.drafter, args.num_speculative_tokens, args.kind or DEFAULT_KIND)
     elif args.method is not None:
         speculation = free_method_config(args.method, args.num_speculative_tokens)
     run(settings, args.prompts, speculation, args.output, args.granted_gpus, args.default_only, args.kind, args.start)

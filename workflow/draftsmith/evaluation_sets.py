@@ -34,22 +34,15 @@ from draftsmith.conversation_turns import Chat, user_turns
 from draftsmith.errors import DraftsmithError
 from draftsmith.progress import log
 from draftsmith.prompt_length import PromptLimit, prompt_limit
-from draftsmith.questions import FIRST, TOO_LONG, collect_questions, read_rows
+from draftsmith.question_sources import FIRST, TOO_LONG, collect_questions, read_rows
+from draftsmith.records import HELDOUT, NO_CATEGORY, read_prompts
 from draftsmith.run_config import EvaluationSetSettings, RunConfig
 
-HELDOUT = "heldout"
-NO_CATEGORY = "all"
 SetCounts = dict[str, Any]  # rows read, duplicates, dropped by reason; then prompts, by category
 
 
 class EvaluationSetError(DraftsmithError):
     pass
-
-
-def read_prompts(path: Path) -> list[dict[str, Any]]:
-    """The prompts file this module writes."""
-    with path.open(encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
 
 
 def _as_prompt(row: Any, field: str) -> Any:

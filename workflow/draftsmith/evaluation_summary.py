@@ -9,7 +9,7 @@ Reads the baseline job, one job per draft length, and one per free method and dr
   and sampling) and ``recommendation``;
 - the recommendation, for each concurrency and sampling, over all sets together. First
   each method's draft length: the one with the best measured throughput. Each throughput
-  carries its spread (``evaluate.relative_spread``); when other draft lengths come within
+  carries its spread (``records.relative_spread``); when other draft lengths come within
   the spread of the fastest, the recommendation says so and takes, of those, the one with
   the most tokens per target step: a difference the measurement cannot tell apart should
   not decide. Then, the same way, what to serve: the target alone, the drafter or a free
@@ -40,15 +40,7 @@ from typing import Any
 
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
-from draftsmith.drafter_kinds import START_METHOD
-from draftsmith.evaluate import (
-    acceptance_length,
-    accepted_tokens,
-    free_method_config,
-    merged,
-    relative_spread,
-    speculative_config,
-)
+from draftsmith.drafter_kinds import START_METHOD, drafter_speculative_config, free_method_config
 from draftsmith.evaluation_report import (
     choice_text,
     plot_acceptance,
@@ -57,10 +49,11 @@ from draftsmith.evaluation_report import (
     serve_text,
     tables_html,
 )
-from draftsmith.evaluation_sets import HELDOUT, NO_CATEGORY
 from draftsmith.layout import TRAINING_METRICS
 from draftsmith.progress import log
 from draftsmith.records import (
+    HELDOUT,
+    NO_CATEGORY,
     WHOLE_SET,
     CategoryResult,
     DefaultCounts,
@@ -72,6 +65,10 @@ from draftsmith.records import (
     SetResult,
     Tally,
     TrainingMetrics,
+    acceptance_length,
+    accepted_tokens,
+    merged,
+    relative_spread,
 )
 from draftsmith.run_config import RunConfig
 
@@ -284,7 +281,7 @@ def recommend(
     for key in sorted(alone):
         at = {k: measured[k][key] for k in sorted(measured)}
         best, tied = choose(at, sorted(at))
-        configs = {f"drafter k={best}": speculative_config(Path(str(drafters[best].drafter)), best)}
+        configs = {f"drafter k={best}": drafter_speculative_config(Path(str(drafters[best].drafter)), best)}
         options = {TARGET_ALONE: alone[key], f"drafter k={best}": at[best]}
         for method, by_length in free_measured.items():
             method_at = {k: by_length[k][key] for k in sorted(by_length)}
@@ -296,13 +293,13 @@ def recommend(
             start_at = {k: start_measured[k][key] for k in sorted(start_measured)}
             start_best, _ = choose(start_at, sorted(start_at))
             name = f"{START_METHOD} k={start_best}"
-            configs[name] = speculative_config(Path(str(start[start_best].drafter)), start_best)
+            configs[name] = drafter_speculative_config(Path(str(start[start_best].drafter)), start_best)
             options[name] = start_at[start_best]
         for kind, by_length in kinds_measured.items():
             kind_at = {k: by_length[k][key] for k in sorted(by_length)}
             kind_best, _ = choose(kind_at, sorted(kind_at))
             drafter = Path(str(kinds[kind][kind_best].drafter))
-            configs[f"{kind} k={kind_best}"] = speculative_config(drafter, kind_best, kind)
+            configs[f"{kind} k={kind_best}"] = drafter_speculative_config(drafter, kind_best, kind)
             options[f"{kind} k={kind_best}"] = kind_at[kind_best]
         # Ties go to the simplest: the target alone, then what needs no training, then EAGLE-3.
         simplest = [TARGET_ALONE, *free_options, f"drafter k={best}", *list(options)[2 + len(free_options) :]]

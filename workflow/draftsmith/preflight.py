@@ -43,9 +43,9 @@ from draftsmith.drafter_kinds import FREE_METHODS
 from draftsmith.errors import DraftsmithError
 from draftsmith.gpu_memory import checkpoint_bytes, split_problems
 from draftsmith.layers import LayerConfigError, resolve_layers
-from draftsmith.plan import configured_mode, existing_parent, fitting_budget, plan_for
-from draftsmith.questions import first_row_problem, is_local_source
+from draftsmith.question_sources import first_row_problem, is_local_source
 from draftsmith.run_config import EvaluationSetSettings, QuestionsSettings, RunConfig
+from draftsmith.run_costs import configured_mode, existing_parent, fitting_budget, plan_for
 from draftsmith.serving import MLA_DISABLE_ENV, ServingError, evaluation_attention, mla_latent_problem
 from draftsmith.target import TargetShape, draft_vocab_problem, read_target_shape
 from draftsmith.vllm_build import module_file

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections import defaultdict
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
@@ -209,6 +210,46 @@ class Tally:
 
 def summed(a: list[int], b: list[int]) -> list[int]:
     return [(a[j] if j < len(a) else 0) + (b[j] if j < len(b) else 0) for j in range(max(len(a), len(b)))]
+
+
+def merged(tallies) -> Tally:
+    total = Tally()
+    for tally in tallies:
+        total.requests += tally.requests
+        total.completion_tokens += tally.completion_tokens
+        total.request_seconds += tally.request_seconds
+        total.draft_tokens += tally.draft_tokens
+        total.histogram = summed(total.histogram, tally.histogram)
+        total.speed_sum += tally.speed_sum
+        total.speed_squares += tally.speed_squares
+    return total
+
+
+def relative_spread(tally: Tally) -> float:
+    """The spread of a speed measured on these requests, as a share of it: two standard errors
+    of the mean per-request speed over that mean (about a 95% interval).
+
+    Why per request: a phase is one wall-clock measurement, so its throughput has no spread
+    of its own, and repeating every phase would double the evaluation. The requests' own
+    speeds vary with the prompt, the batch they shared and the machine's other work; their
+    mean is known to within this share, and a throughput built from the same requests is
+    taken to be known as well as that mean."""
+    n = tally.requests
+    if n < 2 or tally.speed_sum <= 0:
+        return 0.0
+    mean = tally.speed_sum / n
+    variance = max(tally.speed_squares / n - mean**2, 0.0) * n / (n - 1)
+    return 2 * math.sqrt(variance / n) / mean
+
+
+def acceptance_length(tally: Tally) -> float:
+    steps = sum(tally.histogram)
+    return 1.0 + accepted_tokens(tally) / steps if steps else 1.0
+
+
+def accepted_tokens(tally: Tally) -> int:
+    """Draft tokens accepted over all verify steps: histogram[j] steps accepted j each."""
+    return sum(j * n for j, n in enumerate(tally.histogram))
 
 
 @dataclass
@@ -528,3 +569,15 @@ class EvaluationSummary:
             raise RecordError(
                 f"{path} is no evaluation summary this version reads ({error}): {RERUN_SUMMARY}"
             ) from None
+
+
+# --- the evaluation's prompts (evaluation_sets.py -> evaluate.py, evaluation_summary.py) ----
+
+HELDOUT = "heldout"  # the set of held-out questions, beside the named evaluation.sets
+NO_CATEGORY = "all"  # a set's results when it names no category field
+
+
+def read_prompts(path: Path) -> list[dict[str, Any]]:
+    """The prompts file of the evaluation sets (evaluation_sets.py writes it, one JSON per line)."""
+    with path.open(encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]

@@ -4,7 +4,7 @@ import shlex
 from snakemake.exceptions import WorkflowError
 
 from draftsmith.layout import Layout
-from draftsmith.questions import is_local_source
+from draftsmith.question_sources import is_local_source
 from draftsmith.settings import dumps, kind_view, tracked_settings
 
 LAYOUT = Layout(RUN.results_dir)
