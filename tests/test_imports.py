@@ -79,3 +79,26 @@ def test_no_stage_imports_another_stage():
     assert stages <= set(graph), f"stages that are no module of the package: {sorted(stages - set(graph))}"
     crossings = [f"{stage} imports {other}" for stage in sorted(stages) for other in sorted(graph[stage] & stages)]
     assert not crossings, "; ".join(crossings) + ": move what they share into a module of its own"
+
+
+def test_each_enum_is_written_once_and_its_literal_copies_are_checked():
+    """The kinds, free methods and choices are named once (drafter_kinds, run_config) and the
+    schema is generated from them; the copies that must stay literals are held to them here."""
+    from draftsmith import config_schema, evaluate
+    from draftsmith.drafter_kinds import EAGLE3, FREE_METHODS, KINDS
+    from draftsmith.run_config import KINDS_WITH_OWN_ARGS
+
+    assert evaluate.SPECULATIVE_METHODS == [KINDS[EAGLE3].serving["method"]]
+    training = config_schema.config_schema()["properties"]["training"]["properties"]
+    assert training["kinds"]["items"]["enum"] == list(KINDS)
+    assert training["kind_args"]["propertyNames"]["enum"] == KINDS_WITH_OWN_ARGS
+    evaluation = config_schema.config_schema()["properties"]["evaluation"]["properties"]
+    assert evaluation["free_methods"]["items"]["enum"] == list(FREE_METHODS)
+    literal = [
+        f"{path.name}:{number}"
+        for path in PACKAGE.glob("*.py")
+        if path.name not in ("drafter_kinds.py", "evaluate.py")
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if '"eagle3"' in line and not line.lstrip().startswith("#")
+    ]
+    assert literal == [], f"write drafter_kinds.EAGLE3 (or DEFAULT_KIND) instead of the literal: {literal}"

@@ -9,7 +9,7 @@ import pytest
 
 from draftsmith import question_sources as qs
 from draftsmith import questions as q
-from draftsmith.run_config import RunConfig
+from draftsmith.run_config import ALL, FIRST, RunConfig
 
 
 def settings(source, model, max_model_len=512, max_tokens=64, **overrides):
@@ -111,17 +111,17 @@ SPLIT_PART = {  # ShareGPT split long conversations into parts: this one starts 
 def test_all_turns_keep_every_user_turn_and_drop_the_sources_answers():
     """``all``: system first, then each user turn (those with no reply between them as one);
     leading assistant turns are skipped and said so; a late system turn is dropped."""
-    messages, skipped = qs.conversation(SPLIT_PART, qs.ALL)
+    messages, skipped = qs.conversation(SPLIT_PART, ALL)
     assert skipped and messages == (
         ("system", "Be brief."),
         ("user", "shorter please"),
         ("user", "thanks\n\none more?"),
         ("user", "bye"),
     )
-    assert qs.conversation(SPLIT_PART, qs.FIRST) == ((("system", "Be brief."), ("user", "shorter please")), True)
-    assert qs.conversation(ROWS[0], qs.ALL)[0] == (("system", "Be brief."), ("user", "count to 3"), ("user", "again"))
-    assert qs.conversation(ROWS[1], qs.ALL) == ((("user", "spell cat"),), False)
-    assert qs.conversation({"prompt": ["write a poem", "now shorter"]}, qs.ALL)[0] == (
+    assert qs.conversation(SPLIT_PART, FIRST) == ((("system", "Be brief."), ("user", "shorter please")), True)
+    assert qs.conversation(ROWS[0], ALL)[0] == (("system", "Be brief."), ("user", "count to 3"), ("user", "again"))
+    assert qs.conversation(ROWS[1], ALL) == ((("user", "spell cat"),), False)
+    assert qs.conversation({"prompt": ["write a poem", "now shorter"]}, ALL)[0] == (
         ("user", "write a poem"),
         ("user", "now shorter"),
     )

@@ -42,6 +42,7 @@ from typing import Any
 
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import SETTINGS_HELP, read_settings
+from draftsmith.drafter_kinds import DEFAULT_KIND
 from draftsmith.layers import resolve_layers
 from draftsmith.layout import SHARD_MANIFEST, TOKEN_FREQUENCIES
 from draftsmith.progress import log
@@ -297,7 +298,7 @@ def heldout_greedy_row(summary: EvaluationSummary) -> Any:
     return next(
         row
         for row in summary.results
-        if row.method == "eagle3"
+        if row.method == DEFAULT_KIND
         and row.set == HELDOUT
         and row.category == WHOLE_SET
         and row.temperature == 0.0
@@ -311,7 +312,7 @@ def other_sets(summary: EvaluationSummary) -> dict[str, Any]:
     rows = [
         row
         for row in summary.results
-        if row.method == "eagle3"
+        if row.method == DEFAULT_KIND
         and row.set != HELDOUT
         and row.category == WHOLE_SET
         and row.temperature == 0.0

@@ -15,6 +15,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from draftsmith.drafter_kinds import EAGLE3
 from draftsmith.errors import DraftsmithError
 from draftsmith.layers import LayerPlan
 
@@ -36,7 +37,7 @@ class DrafterFacts:
 
     path: Path
     layout: str  # SPECULATORS or RESEARCH
-    kind: str  # speculators_model_type; "eagle3" for a research checkpoint
+    kind: str  # speculators_model_type; EAGLE3 for a research checkpoint
     target_hidden_size: int
     target_vocab_size: int
     draft_vocab_size: int
@@ -148,7 +149,7 @@ def _research_facts(path: Path, config: dict[str, Any], shapes: dict[str, list[i
         return DrafterFacts(
             path=path,
             layout=RESEARCH,
-            kind="eagle3",
+            kind=EAGLE3,
             target_hidden_size=config.get("target_hidden_size") or config["hidden_size"],
             target_vocab_size=vocab,
             draft_vocab_size=config.get("draft_vocab_size") or vocab,
@@ -200,7 +201,7 @@ def compatibility_problems(
     on each side and the config change that fixes it."""
     problems = []
     lead = f"training.from_pretrained: the drafter at {facts.path}"
-    if facts.kind != "eagle3":
+    if facts.kind != EAGLE3:
         problems.append(
             f"{lead} is a {facts.kind} drafter (speculators_model_type); from_pretrained continues the EAGLE-3 "
             "drafter: give an eagle3 drafter"

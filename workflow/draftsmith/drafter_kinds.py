@@ -19,7 +19,8 @@ from typing import Any
 
 from draftsmith import vllm_build
 
-DEFAULT_KIND = "eagle3"  # the drafter the workflow has always trained: drafter/, eval/drafter_k<k>
+EAGLE3 = "eagle3"  # speculators' and vLLM's name of the kind (and of its serving method)
+DEFAULT_KIND = EAGLE3  # the drafter the workflow has always trained: drafter/, eval/drafter_k<k>
 # The method name of the starting drafter (training.from_pretrained) in the evaluation: the
 # published drafter before the run's data, eval/start_k<k>.
 START_METHOD = "start"
@@ -38,12 +39,12 @@ class DrafterKind:
 KINDS: dict[str, DrafterKind] = {
     kind.name: kind
     for kind in (
-        DrafterKind("eagle3", serving={"method": "eagle3"}),
+        DrafterKind(EAGLE3, serving={"method": EAGLE3}),
         # Block drafting: non-causal attention over masked positions; vLLM's CPU build has a
         # C++ path for its input kernel (platforms/cpu.py) and a non-causal CPU attention.
         DrafterKind("dflash", serving={"method": "dflash"}),
         # P-EAGLE: an EAGLE-3 head that drafts every position in one forward.
-        DrafterKind("peagle", serving={"method": "eagle3", "parallel_drafting": True}),
+        DrafterKind("peagle", serving={"method": EAGLE3, "parallel_drafting": True}),
         DrafterKind(
             "dflash2",
             serving={"method": "dflash"},

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith.atomic import atomic_write_text, publish_directory
 from draftsmith.disk_budget import RowSplit
+from draftsmith.drafter_kinds import DEFAULT_KIND
 from draftsmith.errors import TrainError
 from draftsmith.layers import LayerPlan
 from draftsmith.layout import DRAFTER_CONFIG, DRAFTER_WEIGHTS, TrainPaths
@@ -37,7 +38,7 @@ def write_weights(checkpoint: Path, drafter: Path) -> None:
 AUX_LAYER_KEYS = ("eagle_aux_hidden_state_layer_ids", "aux_hidden_state_layer_ids")
 
 
-def stage_drafter(epoch_dir: Path, plan: LayerPlan, drafter: Path, kind: str = "eagle3") -> None:
+def stage_drafter(epoch_dir: Path, plan: LayerPlan, drafter: Path, kind: str = DEFAULT_KIND) -> None:
     """Write what vLLM loads, in bf16, with a config that names the aux layers we extracted."""
     drafter.mkdir(parents=True)
     write_weights(epoch_dir, drafter)
@@ -113,7 +114,7 @@ def publish(
     epoch_dir: Path,
     split: RowSplit | None = None,
     capture_requests: int = 0,
-    kind: str = "eagle3",
+    kind: str = DEFAULT_KIND,
     started_from: str | None = None,
     validation_positions: int | None = None,
 ) -> None:

@@ -63,7 +63,9 @@ from draftsmith.serving import EvaluationAttention, evaluation_attention
 from draftsmith.target import read_target_shape
 
 SPEC_METRIC_PREFIX = "vllm:spec_decode_num_"
-# The speculative method of the evaluation servers (vLLM's SpeculativeMethod).
+# The speculative method of the evaluation servers (vLLM's SpeculativeMethod), that the
+# preflight checks in the install: a literal, as the preflight reads it without importing this
+# module; tests/test_imports.py holds it to drafter_kinds.EAGLE3.
 SPECULATIVE_METHODS = ["eagle3"]
 # Steps that accepted more than p draft tokens, by position p (vLLM's per-position counter).
 PER_POSITION_COUNTER = f"{SPEC_METRIC_PREFIX}accepted_tokens_per_pos_total"

@@ -34,9 +34,9 @@ from draftsmith.conversation_turns import Chat, user_turns
 from draftsmith.errors import DraftsmithError
 from draftsmith.progress import log
 from draftsmith.prompt_length import PromptLimit, prompt_limit
-from draftsmith.question_sources import FIRST, TOO_LONG, collect_questions, read_rows
+from draftsmith.question_sources import TOO_LONG, collect_questions, read_rows
 from draftsmith.records import HELDOUT, NO_CATEGORY, read_prompts
-from draftsmith.run_config import EvaluationSetSettings, RunConfig
+from draftsmith.run_config import FIRST, EvaluationSetSettings, RunConfig
 
 SetCounts = dict[str, Any]  # rows read, duplicates, dropped by reason; then prompts, by category
 

@@ -25,13 +25,13 @@ from typing import Any
 from draftsmith.conversation_turns import first_prompt
 from draftsmith.errors import DraftsmithError
 from draftsmith.prompt_length import PromptLimit
+from draftsmith.run_config import FIRST
 
 LOCAL_SUFFIXES = {".jsonl", ".json", ".parquet"}
 USER_ROLES = {"user", "human"}
 TOO_LONG = "too long"  # the count of prompts over the limit (also a bad row with its reason)
 # ShareGPT names some assistants by product (chatgpt, bing, bard).
 ASSISTANT_ROLES = {"assistant", "gpt", "model", "bot", "chatgpt", "bing", "bard"}
-FIRST, ALL = "first", "all"  # questions.turns
 LEADING_SKIPPED = "leading assistant turns skipped"  # a count, not a bad row
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Self
 
 from draftsmith.atomic import atomic_write_text
-from draftsmith.drafter_kinds import START_METHOD
+from draftsmith.drafter_kinds import DEFAULT_KIND, START_METHOD
 from draftsmith.errors import DraftsmithError
 from draftsmith.layout import CAPTURED_ROWS, ROW_IDS, SHARD_MANIFEST, TRAINING_METRICS
 
@@ -305,7 +305,7 @@ class Measurement(_Record):
 
     @property
     def speculative_method(self) -> str | None:
-        return self.method or ("eagle3" if self.drafter else None)
+        return self.method or (DEFAULT_KIND if self.drafter else None)
 
     @property
     def name(self) -> str | None:

@@ -94,6 +94,12 @@ def declaration(f: Field[Any]) -> Declaration:
     return f.metadata[_DECLARATION]
 
 
+# The values of the keys that name a choice, for the code that branches on them.
+CPU, CUDA = "cpu", "cuda"  # device
+FIRST, ALL = "first", "all"  # questions.turns
+SERVED, FP8 = "served", "fp8"  # hidden_states.stored_dtype
+SEPARATE, DURING_GENERATION = "separate", "during_generation"  # hidden_states.capture
+
 # The kinds that take arguments of their own (training.kind_args): those trained beside EAGLE-3
 # that some device serves.
 KINDS_WITH_OWN_ARGS = [name for name, kind in KINDS.items() if name != DEFAULT_KIND and kind.devices]
@@ -360,7 +366,7 @@ class QuestionsSettings(Section):
         default="all",
         shapes=("questions", "evaluation_sets"),
         reads=PLANNERS,
-        enum=["first", "all"],
+        enum=[FIRST, ALL],
     )
 
 
@@ -497,7 +503,7 @@ class HiddenStatesSettings(Section):
         "bf16 as it loads them.",
         default="served",
         reads=("untrained_drafter", *PLANNERS),
-        enum=["served", "fp8"],
+        enum=[SERVED, FP8],
     )
     capture: str = setting(
         "When the stored rows' states are computed. `separate`: the extraction stage loads the target again and "
@@ -513,7 +519,7 @@ class HiddenStatesSettings(Section):
         "unmeasured on newer CUDA releases.",
         default="separate",
         reads=PLANNERS,
-        enum=["separate", "during_generation"],
+        enum=[SEPARATE, DURING_GENERATION],
     )
     capture_memory_fraction: float = setting(
         "On cuda, the GPU memory share of the capture server that runs beside the trainer (its `--gpu-memory-"
@@ -532,12 +538,12 @@ class HiddenStatesSettings(Section):
     @property
     def fp8(self) -> bool:
         """``stored_dtype: fp8``: stored and captured rows hold fp8 states."""
-        return self.stored_dtype == "fp8"
+        return self.stored_dtype == FP8
 
     @property
     def during_generation(self) -> bool:
         """``capture: during_generation``: the generation server saves the stored rows' states."""
-        return self.capture == "during_generation"
+        return self.capture == DURING_GENERATION
 
 
 @dataclass(frozen=True, eq=False, repr=False, kw_only=True)
@@ -602,7 +608,7 @@ class TrainingSettings(Section):
         "(`eval/<kind>_k<k>.json`), and the recommendation chooses among them all. On a CPU vLLM 0.32 serves "
         "`eagle3`, `dflash`, `peagle`; `dflash2`, `dspark` only on CUDA; `xpress`, `mtp` nowhere (the config "
         "check refuses those, with vLLM's reason).",
-        default=["eagle3"],
+        default=[DEFAULT_KIND],
         shapes=("evaluate",),
         reads=("train_kind", "evaluate_kind", *PLANNERS),
         items={"enum": list(KINDS)},
@@ -787,7 +793,7 @@ class RunConfig(Section):
         default="cuda",
         shapes=(*TRAINERS, "untrained_drafter", *EVALUATIONS),
         reads=("generate", "extract", *PLANNERS),
-        enum=["cpu", "cuda"],
+        enum=[CPU, CUDA],
     )
     gpu_slot: int = setting(
         "GPUs one heavy job (a vLLM server or the trainer) holds. Run with `--resources gpu=N`, N ≥ this, so "
@@ -823,7 +829,7 @@ class RunConfig(Section):
 
     @property
     def on_cuda(self) -> bool:
-        return self.device == "cuda"
+        return self.device == CUDA
 
     @property
     def trainer_processes(self) -> int:

@@ -5,8 +5,10 @@ inside ``managed_server``. The server listens on loopback only, on a free port,
 behind a random API key; its output goes to the rule's log; the whole process
 group is stopped in ``finally`` so no engine process outlives the job.
 
-Snakemake's ``service()`` jobs are a poor fit here (see DESIGN.md): a job that
-owns its server does all its work per model load and cleans up after itself.
+Not Snakemake's ``service()`` jobs: a service lives only as long as the group of jobs
+that consume it, and a 1T-parameter target takes twenty minutes or more to load, so a job
+that owns its server does all its work per model load, knows when the server died (its
+log tail is the error), and stops it itself.
 """
 
 from __future__ import annotations

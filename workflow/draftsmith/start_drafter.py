@@ -42,6 +42,7 @@ from draftsmith.drafter_files import (
     read_drafter,
     weights_file,
 )
+from draftsmith.drafter_kinds import EAGLE3
 from draftsmith.layers import LayerPlan
 from draftsmith.records import DrafterOrigin
 
@@ -61,7 +62,7 @@ def convert_command(facts: DrafterFacts, target: str, plan: LayerPlan, output: P
         "convert",
         str(facts.path),
         "--algorithm",
-        "eagle3",
+        EAGLE3,
         "--verifier",
         target,
         "--output-path",
