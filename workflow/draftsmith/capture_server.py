@@ -55,13 +55,12 @@ def target_shape(settings: RunConfig) -> tuple[LayerPlan, SampleShape]:
     """Layer count, width and dtype from the target's config.json; layers resolved once."""
     target = read_target_shape(settings.target.model)
     plan = resolve_layers(list(settings.layers), target.num_hidden_layers)
-    return plan, sample_shape(settings, target, plan)
+    return plan, sample_shape(settings, target)
 
 
-def sample_shape(settings: RunConfig, target: TargetShape, plan: LayerPlan) -> SampleShape:
+def sample_shape(settings: RunConfig, target: TargetShape) -> SampleShape:
     """What each stored or captured file holds, for a target and layers already read."""
-    requested = settings.server.requested_dtype
-    return SampleShape(StoredRowFormat.of(target, len(plan.vllm_ids), requested, settings.hidden_states.fp8))
+    return SampleShape(settings.stored_row(target))
 
 
 def extraction_server_args(plan: LayerPlan, storage_dir: Path, shape: SampleShape) -> list[str]:

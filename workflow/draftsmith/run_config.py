@@ -27,9 +27,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields
 from typing import Any, ClassVar, Self
 
-from draftsmith.disk_budget import parse_budget
+from draftsmith.disk_budget import StoredRowFormat, parse_budget
 from draftsmith.drafter_kinds import DEFAULT_KIND, FREE_METHODS, KINDS
 from draftsmith.rule_groups import EVALUATIONS, PLANNERS, TARGET_READERS, TRAINERS
+from draftsmith.target import TargetShape
 
 
 class UndeclaredSetting(KeyError):
@@ -835,6 +836,11 @@ class RunConfig(Section):
     def trainer_processes(self) -> int:
         """One trainer process per GPU of the slot on cuda (it sets the global batch); 1 on cpu."""
         return self.gpu_slot if self.on_cuda else 1
+
+    def stored_row(self, target: TargetShape) -> StoredRowFormat:
+        """What one row of ``target``'s hidden states holds on disk: every configured layer, in
+        the served dtype (``server.extra_args`` may ask for another) or fp8."""
+        return StoredRowFormat.of(target, len(self.layers), self.server.requested_dtype, self.hidden_states.fp8)
 
     @property
     def evaluation_samplings(self) -> list[dict[str, Any]]:

@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from draftsmith.disk_budget import StoredRowFormat, human_bytes
+from draftsmith.disk_budget import human_bytes
 from draftsmith.drafter_files import read_drafter
 from draftsmith.errors import DraftsmithError
 from draftsmith.layout import TRAINING_METRICS, Layout
@@ -120,7 +120,7 @@ def plan_for(settings: RunConfig, results: Path) -> dict[str, Any]:
         per_row = min(seq_length, (prompt_tokens + completion_tokens) / max(train, 1))
         tokens_basis = "upper bound"
     training_tokens = int(per_row * train)
-    row = StoredRowFormat.of(target, len(settings.layers), settings.server.requested_dtype, settings.hidden_states.fp8)
+    row = settings.stored_row(target)
     hidden_bytes = training_tokens * row.state_bytes_per_token
     layout = Layout(results)
     done = _done(layout)

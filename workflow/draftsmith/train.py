@@ -38,7 +38,7 @@ from datasets import load_from_disk
 from safetensors import safe_open
 
 from draftsmith.cli import SETTINGS_HELP, read_settings
-from draftsmith.disk_budget import RowSplit, StoredRowFormat, row_split
+from draftsmith.disk_budget import RowSplit, row_split
 from draftsmith.drafter_files import D2T, T2D, compatibility_problems, read_drafter
 from draftsmith.drafter_kinds import DEFAULT_KIND, KINDS
 from draftsmith.drafter_publish import capture_requests, publish
@@ -179,7 +179,7 @@ def preflight(settings: RunConfig, paths: TrainPaths) -> TrainingInputs:
     plan = resolve_layers(list(settings.layers), target.num_hidden_layers)
     check_dataset(paths.dataset)
     hidden_states = settings.hidden_states
-    row = StoredRowFormat.of(target, len(plan.vllm_ids), settings.server.requested_dtype, hidden_states.fp8)
+    row = settings.stored_row(target)
     split = row_split(paths.dataset, hidden_states.limited_budget, row)
     check_hidden_states(paths, split, len(plan.vllm_ids), target.hidden_size)
     log(f"checked: {split.describe()}, aux vLLM ids {plan.aux_vllm_ids}")
@@ -328,7 +328,7 @@ def capture_server(settings: RunConfig, paths: TrainPaths, inputs: TrainingInput
         return
     from draftsmith.capture_server import extraction_server_args, sample_shape  # torch: only when capturing
 
-    shape = sample_shape(settings, inputs.target, plan)
+    shape = sample_shape(settings, inputs.target)
     shutil.rmtree(paths.capture, ignore_errors=True)
     paths.capture.mkdir(parents=True)
     # Its numerics are the extraction server's; only its access log (a line per row) is off.
