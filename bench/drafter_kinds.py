@@ -21,13 +21,12 @@ are measured in the same session; without it a finished run is only read.
 
 import argparse
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import yaml
 from one_pass import benchmark_seconds
-from results_file import RESULTS, write_result
+from results_file import RESULTS, run_workflow, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "workflow"))
@@ -44,17 +43,7 @@ def run_with_kinds(run_config: Path, kinds: list[str]) -> dict:
     config = yaml.safe_load(run_config.read_text())
     config["training"]["kinds"] = [DEFAULT_KIND, *kinds]
     config["training"]["kind_args"] = {kind: KIND_ARGS[kind] for kind in kinds if kind in KIND_ARGS}
-    path = run_config.with_name(f"{run_config.stem}.kinds.yaml")
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    with path.with_suffix(".snakemake.log").open("a") as log:
-        done = subprocess.run(
-            [sys.executable, "-m", "snakemake", "--cores", "all", "--resources", "gpu=1", "--configfile", str(path)],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    if done.returncode != 0:
-        raise SystemExit(f"the run failed; see {path.with_suffix('.snakemake.log')}")
+    run_workflow(config, run_config.with_name(f"{run_config.stem}.kinds.yaml"), gpus=1)
     return config
 
 

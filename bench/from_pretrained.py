@@ -26,12 +26,11 @@ import argparse
 import csv
 import json
 import random
-import subprocess
 import sys
 from pathlib import Path
 
 import yaml
-from results_file import write_result
+from results_file import run_workflow, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "workflow"))
@@ -73,17 +72,7 @@ def run_config(base: dict, work: Path, results: str, questions: Path, heldout: P
 
 
 def snakemake(config: dict, name: str, work: Path) -> None:
-    path = work / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    with (work / f"{name}.snakemake.log").open("a") as log:
-        done = subprocess.run(
-            [sys.executable, "-m", "snakemake", "--cores", "all", "--resources", "gpu=8", "--configfile", str(path)],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    if done.returncode != 0:
-        raise SystemExit(f"{name}: snakemake failed; see {work / f'{name}.snakemake.log'}")
+    run_workflow(config, work / f"{name}.yaml")
 
 
 def held_out(layout: Layout, method: str) -> dict:

@@ -32,7 +32,6 @@ in the log, the report and the run's metadata.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from collections import Counter
@@ -41,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.atomic import atomic_write_text
-from draftsmith.cli import SETTINGS_HELP, read_settings
+from draftsmith.cli import read_settings, stage_parser
 from draftsmith.drafter_kinds import DEFAULT_KIND
 from draftsmith.layers import resolve_layers
 from draftsmith.layout import SHARD_MANIFEST, TOKEN_FREQUENCIES
@@ -395,8 +394,7 @@ def read_manifests(shards: list[Path]) -> list[ShardManifest]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", required=True, help=SETTINGS_HELP)
+    parser = stage_parser(__doc__)
     parser.add_argument("--acceptance", required=True, type=Path)
     parser.add_argument("--drafter", required=True, type=Path)
     parser.add_argument("--dataset", required=True, type=Path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import errno
 import json
 import sys
@@ -17,6 +18,13 @@ from draftsmith.run_config import RunConfig
 from draftsmith.settings import stage_view
 
 SETTINGS_HELP = "the config as JSON text, or the path of a JSON file (the run's results/.staging/config.json)"
+
+
+def stage_parser(doc: str | None) -> argparse.ArgumentParser:
+    """A stage's command line: described by its docstring's first line, with ``--settings``."""
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    parser.add_argument("--settings", required=True, help=SETTINGS_HELP)
+    return parser
 
 
 def read_config(value: str) -> dict[str, Any]:

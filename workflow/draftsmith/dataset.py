@@ -16,7 +16,6 @@ this keeps each row traceable to its question.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import shutil
@@ -26,7 +25,7 @@ from collections import Counter
 from pathlib import Path
 
 from draftsmith.atomic import publish_directory
-from draftsmith.cli import SETTINGS_HELP, read_settings
+from draftsmith.cli import read_settings, stage_parser
 from draftsmith.errors import DraftsmithError
 from draftsmith.layout import TOKEN_FREQUENCIES
 from draftsmith.progress import log
@@ -218,8 +217,7 @@ def run(settings: RunConfig, completions: list[Path], staging: Path, output: Pat
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", required=True, help=SETTINGS_HELP)
+    parser = stage_parser(__doc__)
     parser.add_argument("--staging", required=True, type=Path)
     parser.add_argument("--output", required=True, type=Path)
     parser.add_argument("completions", nargs="+", type=Path)

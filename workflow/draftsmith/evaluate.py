@@ -31,7 +31,6 @@ fails the job: a measurement with holes would not compare with the others.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import json
@@ -42,7 +41,7 @@ from typing import Any
 
 from draftsmith import vllm_build
 from draftsmith.atomic import atomic_write_text
-from draftsmith.cli import SETTINGS_HELP, read_settings
+from draftsmith.cli import read_settings, stage_parser
 from draftsmith.client import SPECULATORS_CLIENT, chat_poster, open_session
 from draftsmith.conversation_turns import turn_messages, turn_requests
 from draftsmith.drafter_kinds import DEFAULT_KIND, FREE_METHODS, KINDS, drafter_speculative_config, free_method_config
@@ -323,8 +322,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", required=True, help=SETTINGS_HELP)
+    parser = stage_parser(__doc__)
     parser.add_argument("--stage", required=True, help="the rule whose settings apply")
     parser.add_argument("--prompts", required=True, type=Path, help="the evaluation_sets stage's prompts")
     parser.add_argument("--drafter", type=Path, default=None, help="a drafter directory (none: the baseline)")

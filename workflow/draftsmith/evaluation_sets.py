@@ -22,14 +22,13 @@ a summary per set (rows read, duplicates, dropped by reason, prompts by category
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from draftsmith.atomic import atomic_write_text
-from draftsmith.cli import SETTINGS_HELP, read_settings
+from draftsmith.cli import read_settings, stage_parser
 from draftsmith.conversation_turns import Chat, user_turns
 from draftsmith.errors import DraftsmithError
 from draftsmith.progress import log
@@ -159,8 +158,7 @@ def run(settings: RunConfig, heldout: Path, output: Path, summary: Path) -> dict
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", required=True, help=SETTINGS_HELP)
+    parser = stage_parser(__doc__)
     parser.add_argument("--heldout", required=True, type=Path)
     parser.add_argument("--output", required=True, type=Path)
     parser.add_argument("--summary", required=True, type=Path)

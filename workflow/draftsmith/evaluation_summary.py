@@ -30,7 +30,6 @@ wall time, so a category's speed is per request: its tokens over its requests' l
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -39,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.atomic import atomic_write_text
-from draftsmith.cli import SETTINGS_HELP, read_settings
+from draftsmith.cli import read_settings, stage_parser
 from draftsmith.drafter_kinds import START_METHOD, drafter_speculative_config, free_method_config
 from draftsmith.evaluation_report import (
     choice_text,
@@ -466,8 +465,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", required=True, help=SETTINGS_HELP)
+    parser = stage_parser(__doc__)
     parser.add_argument("--baseline", required=True, type=Path)
     parser.add_argument("--drafter-jobs", required=True, nargs="+", type=Path)
     parser.add_argument("--untrained", type=Path, default=None)

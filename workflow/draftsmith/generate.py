@@ -37,7 +37,6 @@ exactly as generated (the hand-run scripts lost that wrapper).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import errno
 import json
@@ -51,7 +50,7 @@ from typing import Any
 
 from draftsmith.atomic import atomic_write_text
 from draftsmith.capture_server import VLLM_STORAGE_DIR, extraction_server_args, target_shape
-from draftsmith.cli import SETTINGS_HELP, read_settings
+from draftsmith.cli import read_settings, stage_parser
 from draftsmith.client import SPECULATORS_CLIENT, Poster, chat_poster, open_session
 from draftsmith.conversation_turns import Chat, first_prompt, turn_messages, turn_requests, user_turns
 from draftsmith.layout import GENERATION_RECORDS, SUMMARY
@@ -497,8 +496,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", required=True, help=SETTINGS_HELP)
+    parser = stage_parser(__doc__)
     parser.add_argument("--questions", required=True, type=Path)
     parser.add_argument("--staging", required=True, type=Path)
     parser.add_argument("--output", required=True, type=Path)

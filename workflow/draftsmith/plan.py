@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
 
 from draftsmith.atomic import atomic_write_text
-from draftsmith.cli import SETTINGS_HELP, read_settings
+from draftsmith.cli import read_settings, stage_parser
 from draftsmith.disk_budget import human_bytes
 from draftsmith.progress import log
 from draftsmith.run_costs import fitting_budget, plan_for
@@ -131,8 +130,7 @@ def _starting_text(start: dict[str, Any] | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", required=True, help=SETTINGS_HELP)
+    parser = stage_parser(__doc__)
     parser.add_argument("--results", type=Path, required=True, help="the config's results_dir")
     parser.add_argument("--output", type=Path, help="write the plan as JSON here")
     args = parser.parse_args(argv)

@@ -37,7 +37,7 @@ from typing import Any
 
 from draftsmith import vllm_build, vllm_cpu_amx, vllm_cpu_idle, vllm_cpu_rope, vllm_cpu_sampling, vllm_cpu_seeded
 from draftsmith.atomic import atomic_write_text
-from draftsmith.cli import SETTINGS_HELP, read_config
+from draftsmith.cli import read_config, stage_parser
 from draftsmith.drafter_files import compatibility_problems, read_drafter
 from draftsmith.drafter_kinds import FREE_METHODS
 from draftsmith.errors import DraftsmithError
@@ -501,8 +501,7 @@ def run_checks(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", required=True, help=SETTINGS_HELP)
+    parser = stage_parser(__doc__)
     parser.add_argument("--results", type=Path, default=Path("results"))
     parser.add_argument("--output", type=Path, required=True)
     parser.add_argument("--skip-target", action="store_true", help="the target is not built yet")

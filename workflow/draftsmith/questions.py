@@ -13,14 +13,13 @@ Outputs: ``shard_<i>.jsonl`` training shards, ``heldout.jsonl`` for evaluation a
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
 from draftsmith.atomic import atomic_write_text
-from draftsmith.cli import SETTINGS_HELP, read_settings
+from draftsmith.cli import read_settings, stage_parser
 from draftsmith.layout import SUMMARY, heldout_file, shard_file
 from draftsmith.progress import log
 from draftsmith.prompt_length import prompt_limit
@@ -111,8 +110,7 @@ def run(settings: RunConfig, output_dir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", required=True, help=SETTINGS_HELP)
+    parser = stage_parser(__doc__)
     parser.add_argument("--output-dir", required=True, type=Path)
     args = parser.parse_args(argv)
     run(read_settings(args.settings, "questions"), args.output_dir)

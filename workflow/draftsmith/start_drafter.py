@@ -24,7 +24,6 @@ Reading and checking a drafter directory (the preflight's checks too) is drafter
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -144,12 +143,11 @@ def prepare(source: Path, target: str, plan: LayerPlan, output: Path, staging: P
 
 
 def main(argv: list[str] | None = None) -> None:
-    from draftsmith.cli import SETTINGS_HELP, read_settings
+    from draftsmith.cli import read_settings, stage_parser
     from draftsmith.layers import resolve_layers
     from draftsmith.target import read_target_shape
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", required=True, help=SETTINGS_HELP)
+    parser = stage_parser(__doc__)
     parser.add_argument("--staging", required=True, type=Path, help="where the drafter is made before its rename")
     parser.add_argument("--output", required=True, type=Path, help="the drafter directory to publish")
     args = parser.parse_args(argv)

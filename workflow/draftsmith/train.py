@@ -25,7 +25,6 @@ best epoch (lowest validation loss, else the newest) is published without optimi
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import shutil
@@ -37,7 +36,7 @@ from pathlib import Path
 from datasets import load_from_disk
 from safetensors import safe_open
 
-from draftsmith.cli import SETTINGS_HELP, read_settings
+from draftsmith.cli import read_settings, stage_parser
 from draftsmith.disk_budget import RowSplit, row_split
 from draftsmith.drafter_files import D2T, T2D, compatibility_problems, read_drafter
 from draftsmith.drafter_kinds import DEFAULT_KIND, KINDS
@@ -404,8 +403,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", required=True, help=SETTINGS_HELP)
+    parser = stage_parser(__doc__)
     parser.add_argument("--dataset", required=True, type=Path, help="prepared dataset directory")
     parser.add_argument("--hidden-states", required=True, type=Path, help="directory of hs_<row>.safetensors")
     parser.add_argument("--staging", required=True, type=Path, help="checkpoints and partial work")
