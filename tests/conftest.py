@@ -209,3 +209,18 @@ def write_shard_manifest(shard: Path, **fields) -> Path:
 # The finished demo the end-to-end modules share (one session fixture; imported last, as it
 # imports this module's helpers).
 from demo_run import demo_run, interrupted_demo  # noqa: E402, F401
+
+
+def generation_line(id: str, input_ids: list[int] | None = None, loss_mask: list[int] | None = None, **fields) -> str:
+    """One line of generation's records (records.GenerationRecord) for a fixture that cares
+    about some fields: the counts the others imply (a one-turn answer, its mask's tokens)."""
+    from draftsmith.records import GenerationRecord
+
+    input_ids = input_ids if input_ids is not None else [1, 2]
+    loss_mask = loss_mask if loss_mask is not None else [0] + [1] * (len(input_ids) - 1)
+    implied = {
+        "finish_reason": "stop",
+        "completion_tokens": sum(loss_mask),
+        "prompt_tokens": len(loss_mask) - sum(loss_mask),
+    }
+    return GenerationRecord(id, input_ids, loss_mask, **(implied | fields)).to_json(published=True) + "\n"

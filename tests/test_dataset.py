@@ -3,6 +3,8 @@ every row keeps its question's id."""
 
 import json
 
+from conftest import generation_line
+
 from draftsmith import dataset
 from draftsmith.dataset import merge_completions
 from draftsmith.records import CapturedRows, RowIds
@@ -13,7 +15,7 @@ def write_shards(directory, shards):
     paths = []
     for index, records in enumerate(shards):
         path = directory / f"shard_{index}.jsonl"
-        path.write_text("".join(json.dumps(record) + "\n" for record in records))
+        path.write_text("".join(generation_line(**record) for record in records))
         paths.append(path)
     return paths
 

@@ -5,14 +5,14 @@ import json
 import time
 
 import pytest
-from conftest import server_settings
+from conftest import generation_line, server_settings
 from datasets import load_from_disk
 from transformers import AutoTokenizer
 
 from draftsmith import client, dataset, generate
 from draftsmith.demo_language import question_rows
 from draftsmith.errors import DraftsmithError
-from draftsmith.records import RowIds
+from draftsmith.records import CONTEXT_FULL, GenerationRecord, RowIds
 from draftsmith.run_config import RunConfig
 from draftsmith.server import ServerSpec, managed_server
 from draftsmith.settings import item_settings
@@ -115,7 +115,7 @@ def test_failures_over_the_budget_fail_the_stage_and_publish_nothing(tmp_path):
 
 def test_a_torn_last_record_is_cut_off(tmp_path):
     records = tmp_path / "records.jsonl"
-    records.write_text('{"id": "a", "input_ids": [1], "loss_mask": [1]}\n{"id": "b", "inp')
+    records.write_text(generation_line("a") + '{"id": "b", "inp')
     assert list(generate.load_records(records)) == ["a"]
     assert records.read_text().endswith("}\n")
 
@@ -133,7 +133,7 @@ def test_staged_answers_are_dropped_when_a_generation_setting_changes(tmp_path):
     staging = tmp_path / "staging"
     settings = server_settings(tmp_path) | {"generation": GENERATION}
     generate.generation_stage(RunConfig.from_dict(settings)).begin(None, staging)
-    (staging / generate.RECORDS).write_text('{"id": "a", "input_ids": [1], "loss_mask": [1]}\n')
+    (staging / generate.RECORDS).write_text(generation_line("a"))
 
     same = settings | {"generation": GENERATION | {"concurrency": 99, "max_retries": 7}}
     generate.generation_stage(RunConfig.from_dict(same)).begin(None, staging)
@@ -335,7 +335,7 @@ def test_a_larger_context_continues_the_conversations_the_smaller_one_ended(tiny
     from draftsmith.prompt_length import PromptMeter
 
     question = {"id": "c", "messages": [*long_question(1)["messages"], *long_question(150)["messages"]]}
-    record = {"id": "c", "turns": 1, "answers": ["1 2 3"], "ended": generate.CONTEXT_FULL}
+    record = GenerationRecord("c", [1, 2], [0, 1], "stop", 1, 1, answers=["1 2 3"], ended=CONTEXT_FULL)
     staged = {"c": record}
     meter = PromptMeter(str(tiny_tokenizer))
     for context, reopened in ((128, False), (512, True)):
@@ -343,3 +343,14 @@ def test_a_larger_context_continues_the_conversations_the_smaller_one_ended(tiny
         settings = RunConfig.from_dict(limits | {"questions": {"max_prompt_tokens": None}})
         generate.reopen_if_they_fit(settings, meter, [question], staged)
         assert generate.finished(staged["c"]) != reopened
+
+
+def test_records_from_before_conversations_read_as_one_finished_turn():
+    """Staged and published answers of runs made before multi-turn conversations hold no turn
+    fields: they read as what they are, one finished turn, and publish with the same fields."""
+    old = {"id": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "finish_reason": "length"}
+    record = GenerationRecord.from_json(json.dumps(old | {"completion_tokens": 2, "prompt_tokens": 1}))
+    assert record.finished and record.turns == 1 and record.answers == []
+    assert record.turn_lengths == [2] and record.finish_reasons == ["length"]
+    published = json.loads(record.to_json(published=True))
+    assert "answers" not in published and "captured" not in published and published["input_ids"] == [1, 2, 3]

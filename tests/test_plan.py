@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import generation_line
 from snakemake.utils import validate
 
 from draftsmith import run_costs
@@ -51,8 +52,8 @@ def test_measured_tokens_replace_the_upper_bound(tmp_path):
     settings = kimi_settings(tmp_path)
     results = tmp_path / "results"
     (results / "completions").mkdir(parents=True)
-    rows = [{"id": f"q{i}", "prompt_tokens": 100, "completion_tokens": 400, "finish_reason": "stop"} for i in range(10)]
-    (results / "completions" / "shard_0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rows = [generation_line(f"q{i}", prompt_tokens=100, completion_tokens=400) for i in range(10)]
+    (results / "completions" / "shard_0.jsonl").write_text("".join(rows))
     plan = plan_for(RunConfig.from_dict(settings), results)
     assert plan["tokens_basis"] == "measured"
     assert plan["training_tokens"] == 500 * plan["questions_train"]
@@ -84,8 +85,8 @@ def test_the_plan_counts_turns_and_tokens_per_turn(tmp_path):
     assert "turns (train): per conversation" in format_plan(plan) and "3,000: 3.0" in format_plan(plan)
 
     (results / "completions").mkdir()
-    rows = [{"id": f"q{i}", "prompt_tokens": 300, "completion_tokens": 600, "turns": 2} for i in range(10)]
-    (results / "completions" / "shard_0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rows = [generation_line(f"q{i}", prompt_tokens=300, completion_tokens=600, turns=2) for i in range(10)]
+    (results / "completions" / "shard_0.jsonl").write_text("".join(rows))
     plan = plan_for(RunConfig.from_dict(settings), results)
     assert (plan["turns_train"], plan["prompt_tokens_per_turn"], plan["completion_tokens_per_turn"]) == (2000, 150, 300)
     assert plan["training_tokens"] == 900 * 1000
@@ -224,8 +225,8 @@ def test_a_finished_run_measures_its_own_rates(tmp_path):
     settings = kimi_settings(tmp_path)
     results = tmp_path / "results"
     (results / "completions").mkdir(parents=True)
-    rows = [{"id": f"q{i}", "prompt_tokens": 100, "completion_tokens": 400} for i in range(10)]
-    (results / "completions" / "shard_0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rows = [generation_line(f"q{i}", prompt_tokens=100, completion_tokens=400) for i in range(10)]
+    (results / "completions" / "shard_0.jsonl").write_text("".join(rows))
     (results / "benchmarks/generate").mkdir(parents=True)
     (results / "benchmarks/generate/shard_0.tsv").write_text("s\th:m:s\n140.0\t0:02:20\n")
     (results / "logs/generate").mkdir(parents=True)

@@ -45,7 +45,15 @@ from draftsmith.drafter_kinds import DEFAULT_KIND
 from draftsmith.layers import resolve_layers
 from draftsmith.layout import SHARD_MANIFEST, TOKEN_FREQUENCIES
 from draftsmith.progress import log
-from draftsmith.records import HELDOUT, WHOLE_SET, AcceptanceGap, EvaluationSummary, ShardManifest, TrainingMetrics
+from draftsmith.records import (
+    HELDOUT,
+    WHOLE_SET,
+    AcceptanceGap,
+    EvaluationSummary,
+    ShardManifest,
+    TrainingMetrics,
+    read_generation_records,
+)
 from draftsmith.run_config import RunConfig, flag_value
 from draftsmith.target import read_target_config, read_target_shape
 
@@ -108,10 +116,9 @@ def check_tokens(settings: RunConfig, questions: Path, completions: list[Path]) 
 
     prompts: dict[str, list[int]] = {}
     for shard in completions:
-        for line in shard.read_text().splitlines():
-            record = json.loads(line)
-            if len(prompts) < SAMPLE_QUESTIONS and 1 in record["loss_mask"]:
-                prompts[record["id"]] = record["input_ids"][: record["loss_mask"].index(1)]
+        for record in read_generation_records(shard):
+            if len(prompts) < SAMPLE_QUESTIONS and 1 in record.loss_mask:
+                prompts[record.id] = record.input_ids[: record.loss_mask.index(1)]
     messages = {}
     for shard in sorted(questions.glob("shard_*.jsonl")):
         for line in shard.read_text().splitlines():
@@ -250,11 +257,10 @@ def check_coverage(
     outside: Counter[int] = Counter()
     answer_tokens = cut = rows = 0
     for shard in completions:
-        for line in shard.read_text().splitlines():
-            record = json.loads(line)
+        for record in read_generation_records(shard):
             rows += 1
-            cut += len(record["input_ids"]) > settings.dataset.seq_length
-            for token, trained in zip(record["input_ids"], record["loss_mask"], strict=True):
+            cut += len(record.input_ids) > settings.dataset.seq_length
+            for token, trained in zip(record.input_ids, record.loss_mask, strict=True):
                 if trained:
                     answer_tokens += 1
                     if token >= len(t2d) or not t2d[token]:

@@ -29,7 +29,7 @@ from draftsmith.cli import read_settings, stage_parser
 from draftsmith.errors import DraftsmithError
 from draftsmith.layout import TOKEN_FREQUENCIES
 from draftsmith.progress import log
-from draftsmith.records import CapturedRows, RowIds
+from draftsmith.records import CapturedRows, GenerationRecord, RowIds
 from draftsmith.run_config import RunConfig
 
 SPECULATORS_CLI = [sys.executable, "-m", "speculators"]
@@ -86,13 +86,13 @@ def merge_completions(
         with merged.open("w", encoding="utf-8") as out:
             for question_id, shard, offset in answers_by_id(shards):
                 handles[shard].seek(offset)
-                record = json.loads(handles[shard].readline())
-                input_ids, loss_mask = record["input_ids"], record["loss_mask"]
+                record = GenerationRecord.from_json(handles[shard].readline().decode("utf-8"))
+                input_ids, loss_mask = record.input_ids, record.loss_mask
                 if one_pass:
                     if dropped is not None and loss_mask[-1]:
                         dropped[input_ids[-1]] += 1
                     input_ids, loss_mask = input_ids[:-1], loss_mask[:-1]
-                if record.get("captured"):
+                if record.captured:
                     captured.add(question_id)
                 ids_by_row.setdefault(row_key(input_ids[:seq_length], loss_mask[:seq_length]), []).append(question_id)
                 row = {"input_ids": input_ids, "loss_mask": loss_mask}

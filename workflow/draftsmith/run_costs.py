@@ -24,7 +24,7 @@ from draftsmith.disk_budget import human_bytes
 from draftsmith.drafter_files import read_drafter
 from draftsmith.errors import DraftsmithError
 from draftsmith.layout import TRAINING_METRICS, Layout
-from draftsmith.records import TrainingMetrics
+from draftsmith.records import TrainingMetrics, read_generation_records
 from draftsmith.run_config import RunConfig
 from draftsmith.target import read_target_config, read_target_shape
 from draftsmith.throughputs import Rates, active_parameters, measured_rates, table_rates
@@ -80,13 +80,11 @@ def _measured_tokens(results: Path) -> tuple[int, int, int, int] | None:
         return None
     answers = turns = prompt = completion = 0
     for shard in shards:
-        with shard.open(encoding="utf-8") as handle:
-            for line in handle:
-                record = json.loads(line)
-                answers += 1
-                turns += record.get("turns", 1)  # one in records from before turns
-                prompt += record["prompt_tokens"]
-                completion += record["completion_tokens"]
+        for record in read_generation_records(shard):
+            answers += 1
+            turns += record.turns
+            prompt += record.prompt_tokens
+            completion += record.completion_tokens
     return answers, turns, prompt, completion
 
 

@@ -10,14 +10,13 @@ figure is stated for the model it was measured on and scaled to the configured t
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from draftsmith.layout import Layout
-from draftsmith.records import ShardManifest
+from draftsmith.records import ShardManifest, read_generation_records
 
 # Our H200 bf16 matmul peak per GPU (bench/results/train_gpu.json: 792 TFLOP/s measured).
 H200_MATMUL_FLOPS = 792e12
@@ -144,8 +143,7 @@ def measured_rates(results: Path, table: Rates, epochs: int) -> Rates:
         if total is None or load is None:
             continue
         loads.append(load)
-        with shard.open(encoding="utf-8") as handle:
-            tokens += sum(json.loads(line)["completion_tokens"] for line in handle if line.strip())
+        tokens += sum(record.completion_tokens for record in read_generation_records(shard))
         seconds += total - load
     if seconds > 0:
         decode = Rate(tokens / seconds, "measured: this run's generation")
