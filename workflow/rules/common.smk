@@ -10,7 +10,8 @@ from draftsmith.settings import dumps, kind_view, tracked_settings
 LAYOUT = Layout(RUN.results_dir)
 RESULTS = str(LAYOUT.results)
 # Every job reads the whole config from this file (written at each start), and sees only
-# the keys its rule declares in draftsmith/settings.py; params carry what is tracked.
+# the keys that name its rule in their declarations (draftsmith/run_config.py, gathered by
+# draftsmith/settings.py); params carry what is tracked.
 RUN_CONFIG = str(LAYOUT.run_config)
 # For `--sdm conda`; relative to the rule files.
 CONDA_ENV = f"../../envs/{'cpu' if RUN.device == 'cpu' else 'gpu'}.yaml"
