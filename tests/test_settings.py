@@ -14,7 +14,7 @@ from snakemake.utils import validate
 
 from draftsmith import settings
 from draftsmith.disk_budget import served_dtype
-from draftsmith.run_config import RunConfig
+from draftsmith.run_config import RunConfig, declarations
 from draftsmith.settings import (
     CONSUMERS,
     EVERYTHING,
@@ -247,3 +247,22 @@ def test_what_a_change_reruns_on_a_finished_run(capture, key, value, reruns, sta
     validate(changed, str(SCHEMA))
     found = settings.reruns_between(base, changed)
     assert reruns <= found and not stays & found, sorted(found)
+
+
+# Keys the demo cannot change alone, so its rerun matrix has no row for them: why each.
+NOT_IN_THE_MATRIX = {
+    "target.gguf": "the demo builds its target; a GGUF target and build_demo exclude each other",
+    "target.gguf_dtype": "read only with target.gguf",
+    "training.kind_args": "the demo trains EAGLE-3 alone: kind_args shape train_kind jobs it does not have",
+}
+
+
+def test_every_declared_key_has_a_row_in_the_rerun_matrix_or_a_reason():
+    """A new key needs its row in tests/test_rerun_matrix.py: the demo's own plan held to what
+    its declaration says."""
+    from test_rerun_matrix import MATRIX
+
+    in_matrix = {key for key, *_ in MATRIX}
+    missing = [key for key in declarations() if key not in in_matrix and key not in NOT_IN_THE_MATRIX]
+    assert missing == [], f"add a row to tests/test_rerun_matrix.py's MATRIX for {missing}"
+    assert not in_matrix & set(NOT_IN_THE_MATRIX)
