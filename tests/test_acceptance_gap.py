@@ -28,11 +28,20 @@ def test_acceptance_json_carries_what_validation_predicts_with_the_noise_of_both
     assert "validation predicts" in layout.evaluation_tables.read_text()
 
 
-def test_the_clean_demo_names_no_cause(demo_run):
+def test_the_clean_demo_names_no_fault(demo_run):
+    """The clean demo names no configuration fault. Its answers are a few verify steps long and
+    it runs in one pass, whose rows never train the end of an answer: where that shortens the
+    first position beyond noise (some trainings, not all), the gap is named by its cause,
+    ``endings``, with its count, never left unexplained."""
     gap = AcceptanceGap.read(Layout(demo_run / "results").acceptance_gap)
-    assert gap.cause is None, gap.summary
-    assert gap.diagnosis is None
+    assert gap.cause in (None, "endings"), gap.summary
     assert not any(check["failed"] for check in gap.checks if check["check"] in CONFIGURATION_CHECKS)
+    if gap.cause is None:
+        assert gap.diagnosis is None
+    else:
+        (endings,) = [check for check in gap.checks if check["check"] == "endings"]
+        assert endings["evidence"]["trained_end_labels"] == 0 and endings["evidence"]["one_pass"]
+        assert gap.diagnosis.startswith("endings: the drafter was never trained to end an answer")
     assert gap.other_sets and not any(s["in_training_distribution"] for s in gap.other_sets.values())
 
 
@@ -44,6 +53,22 @@ def test_each_planted_fault_is_named_by_its_own_check(demo_run, tmp_path, fault)
     failed = {c["check"] for c in gap.checks if c["failed"] and c["check"] in CONFIGURATION_CHECKS}
     assert failed == {check}
     assert gap.diagnosis.startswith(f"{check}: ")
+
+
+def test_an_untrained_ending_explains_one_first_draft_per_request(tmp_path):
+    """One rejected first draft per request: requests over steps. Only a drafter that never
+    trained the end-of-turn label fails the check."""
+    from datasets import Dataset
+
+    from draftsmith.acceptance_gap import check_endings, trained_labels
+
+    rows = {"input_ids": [[1, 5, 6, 2], [1, 7, 8]], "loss_mask": [[0, 1, 1, 1], [0, 0, 1]]}
+    Dataset.from_dict(rows).save_to_disk(str(tmp_path / "with_end"))
+    assert trained_labels(tmp_path / "with_end", 2) == (1, 4)
+    assert not check_endings("</s>", 1, 4, True, 60, 373.0).failed
+    never = check_endings("</s>", 0, 18722, True, 60, 373.0)
+    assert never.failed and never.evidence["first_position_rejections_explained"] == round(60 / 373, 4)
+    assert "in one pass each row stops before its answer's final token" in never.line
 
 
 def test_a_gap_is_real_only_beyond_the_noise_of_both_sides():

@@ -70,11 +70,14 @@ def test_the_drafter_is_compared_with_n_gram_lookup_and_the_target_alone(deepsee
     ngram = [r for r in result["results"] if r["method"] == "ngram" and r["category"] == "*"]
     assert {r["set"] for r in ngram} == {"heldout"} and ngram[0]["num_speculative_tokens"] == 3
     # The drafter drafts at every step but the prefill's, which yields each answer's first
-    # token: on answers of ~20 tokens its tokens per step are up to ~15% below its acceptance
-    # (more so the better it drafts). n-gram's acceptance counts only the steps where it found
-    # a match, so it is never below its tokens per step.
+    # token: on answers of ~20 tokens that puts its tokens per step up to ~15% below its
+    # acceptance (more so the better it drafts). An answer's last step emits no bonus token after
+    # the end of turn, which lifts them back by up to one token per answer: measured, 2.925
+    # tokens per step against an acceptance of 2.920 (60 answers of 17 tokens). n-gram's
+    # acceptance counts only the steps where it found a match, so it is never below its tokens
+    # per step.
     drafter = row["options"]["drafter k=3"]
-    assert 0.8 * drafter["acceptance_length"] <= drafter["tokens_per_step"] <= drafter["acceptance_length"]
+    assert 0.8 * drafter["acceptance_length"] <= drafter["tokens_per_step"] <= 1.05 * drafter["acceptance_length"]
     assert ngram[0]["acceptance_length"] >= ngram[0]["tokens_per_step"] >= 1.0
     assert (deepseek_run / "eval/ngram_k3.json").is_file()
 

@@ -519,7 +519,7 @@ class HiddenStatesSettings(Section):
         "with vLLM 0.26, where its states failed parity against Hugging Face ([docs/gpu.md](../docs/gpu.md)); "
         "unmeasured on newer CUDA releases.",
         default="separate",
-        reads=PLANNERS,
+        reads=("diagnose_gap", *PLANNERS),  # the diagnosis names one pass where it explains a gap
         enum=[SEPARATE, DURING_GENERATION],
     )
     capture_memory_fraction: float = setting(
