@@ -278,7 +278,7 @@ def multi_turn(demo_target, tmp_path_factory):
 @pytest.mark.vllm
 def test_a_kill_between_turns_resumes_without_asking_a_finished_turn_again(multi_turn):
     _, asked, resumed_from, at_kill, work = multi_turn
-    assert {q: r["turns"] for q, r in at_kill.items()} == {"conv-0": TURNS, "conv-1": 1}
+    assert {q: r.turns for q, r in at_kill.items()} == {"conv-0": TURNS, "conv-1": 1}
     assert generate.finished(at_kill["conv-0"]) and not generate.finished(at_kill["conv-1"])
     before = [(q, turn) for q, turn, *_ in asked[:resumed_from]]
     after = [(q, turn) for q, turn, *_ in asked[resumed_from:]]
