@@ -32,6 +32,7 @@ in the log, the report and the run's metadata.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections import Counter
@@ -112,8 +113,6 @@ def served_template(settings: RunConfig) -> str | None:
 def check_tokens(settings: RunConfig, questions: Path, completions: list[Path]) -> Finding:
     """Training questions rendered as the evaluation's server renders them, against the
     prompt tokens of their training rows (the generation server's rendering)."""
-    from transformers import AutoTokenizer
-
     prompts: dict[str, list[int]] = {}
     for shard in completions:
         for record in read_generation_records(shard):
@@ -125,9 +124,7 @@ def check_tokens(settings: RunConfig, questions: Path, completions: list[Path]) 
             question = json.loads(line)
             if question["id"] in prompts:
                 messages[question["id"]] = first_turn(question["messages"])
-    tokenizer = AutoTokenizer.from_pretrained(
-        settings.target.model, trust_remote_code=settings.target.trust_remote_code
-    )
+    tokenizer = target_tokenizer(settings.target.model, settings.target.trust_remote_code)
     template = served_template(settings)
     differing = []
     for question_id, chat in messages.items():
@@ -250,7 +247,6 @@ def check_coverage(
     """Answer tokens the draft vocabulary cannot express, on the training answers (the held-out
     split's are answered the same way): each one the drafter could never propose."""
     from safetensors import safe_open
-    from transformers import AutoTokenizer
 
     with safe_open(str(drafter / "model.safetensors"), framework="np") as handle:
         t2d = handle.get_tensor("t2d")
@@ -266,9 +262,7 @@ def check_coverage(
                     if token >= len(t2d) or not t2d[token]:
                         outside[token] += 1
     share = sum(outside.values()) / answer_tokens if answer_tokens else 0.0
-    tokenizer = AutoTokenizer.from_pretrained(
-        settings.target.model, trust_remote_code=settings.target.trust_remote_code
-    )
+    tokenizer = target_tokenizer(settings.target.model, settings.target.trust_remote_code)
     common = [(tokenizer.convert_ids_to_tokens(token), count) for token, count in outside.most_common(3)]
     # Each such token rejects the first draft of the step it falls in.
     rejected_steps = share * served_tokens / served_steps if served_steps else 0.0
@@ -295,13 +289,17 @@ def check_coverage(
     )
 
 
-def end_of_turn(settings: RunConfig) -> tuple[int, str]:
-    """The target's end-of-turn token: the one that ends every answer."""
+@functools.cache
+def target_tokenizer(model: str, trust_remote_code: bool) -> Any:
+    """The target's tokenizer, loaded once for the checks that read it (tokens, coverage, endings)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        settings.target.model, trust_remote_code=settings.target.trust_remote_code
-    )
+    return AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
+
+
+def end_of_turn(settings: RunConfig) -> tuple[int, str]:
+    """The target's end-of-turn token: the one that ends every answer."""
+    tokenizer = target_tokenizer(settings.target.model, settings.target.trust_remote_code)
     return tokenizer.eos_token_id, tokenizer.eos_token
 
 
