@@ -33,9 +33,7 @@ def type_schema(hint: Any) -> dict[str, Any]:
         members = [type_schema(arg) for arg in args if arg is not types.NoneType]
         names = [member["type"] for member in members] + (["null"] if types.NoneType in args else [])
         return {"type": names}
-    if origin is tuple:
-        return {"type": "array", "items": type_schema(args[0])}
-    if origin is list:
+    if origin in (tuple, list):
         return {"type": "array", "items": type_schema(args[0])}
     if origin is dict:
         return {"type": "object"} | ({} if args[1] is Any else {"additionalProperties": type_schema(args[1])})
