@@ -1,6 +1,8 @@
 """A vLLM CPU server's start and throughput, with its worker in the engine-core process (how
 draftsmith's jobs run one CPU rank, `ServerSpec.single_process_engine`) and as vLLM runs it
-(a worker process of its own, ``VLLM_ENABLE_V1_MULTIPROCESSING=1``).
+(a worker process of its own, ``VLLM_ENABLE_V1_MULTIPROCESSING=1``); the first also with its
+engine core spawned as vLLM's CPU build does, without draftsmith's fork plugin
+(`draftsmith.vllm_cpu_fork`, which forks it on one OpenMP thread: vLLM imported once).
 
 Both through `managed_server`, so both get the job's CPU placement. Per mode, repetition and
 serving (the target alone, and with vLLM's n-gram lookup, which runs numba in the engine):
@@ -26,7 +28,12 @@ from results_file import write_result
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
 from draftsmith.server import ServerSpec, managed_server  # noqa: E402
 
-MODES = {"single_process": {}, "worker_process": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}}
+WITHOUT_FORK = ",".join(f"draftsmith_cpu_{name}" for name in ("amx", "idle", "rope", "sampling", "seeded"))
+MODES = {
+    "single_process": {},
+    "single_process_spawned": {"VLLM_PLUGINS": WITHOUT_FORK},
+    "worker_process": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 SERVING = {"target_alone": [], "ngram_k3": ["--speculative-config", json.dumps(NGRAM)]}
 REQUESTS, CONCURRENCY, MAX_TOKENS = 160, 8, 32

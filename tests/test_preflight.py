@@ -84,6 +84,7 @@ ALL_PLUGINS = [
     "draftsmith_cpu_amx",
     "draftsmith_cpu_seeded",
     "draftsmith_cpu_idle",
+    "draftsmith_cpu_fork",
 ]
 
 
@@ -93,7 +94,7 @@ ALL_PLUGINS = [
         ("lora_filesystem_resolver", ALL_PLUGINS),
         ("", ALL_PLUGINS),
         (
-            "draftsmith_cpu_rope,draftsmith_cpu_amx,draftsmith_cpu_seeded,draftsmith_cpu_idle",
+            "draftsmith_cpu_rope,draftsmith_cpu_amx,draftsmith_cpu_seeded,draftsmith_cpu_idle,draftsmith_cpu_fork",
             ["draftsmith_cpu_sampling"],
         ),
     ],

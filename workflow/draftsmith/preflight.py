@@ -35,7 +35,15 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from draftsmith import vllm_build, vllm_cpu_amx, vllm_cpu_idle, vllm_cpu_rope, vllm_cpu_sampling, vllm_cpu_seeded
+from draftsmith import (
+    vllm_build,
+    vllm_cpu_amx,
+    vllm_cpu_fork,
+    vllm_cpu_idle,
+    vllm_cpu_rope,
+    vllm_cpu_sampling,
+    vllm_cpu_seeded,
+)
 from draftsmith.atomic import atomic_write_text
 from draftsmith.cli import read_config, stage_parser
 from draftsmith.drafter_files import compatibility_problems, read_drafter
@@ -158,6 +166,7 @@ VLLM_PLUGINS = {
     vllm_cpu_amx: "crashes on AMX hosts (SIGILL in its attention kernel)",
     vllm_cpu_seeded: "crashes seeded sampling of a prompt prefilled in chunks",
     vllm_cpu_idle: "spins most of a core while idle, taking it from the trainer beside a capture server",
+    vllm_cpu_fork: "imports vLLM twice at every server start, about 11 s of 27 on 2 cores",
 }
 
 
