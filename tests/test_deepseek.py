@@ -2,7 +2,9 @@
 Kimi-architecture target, MLA + MoE, built and trained locally) through generation, dataset,
 extraction, training and evaluation, for real; under a disk budget, so training captures
 part of its rows from a capture server in every epoch (the mixed path), stored rows in fp8;
-and in one pass: the stored rows' states were saved by the generation server."""
+and in one pass: the stored rows' states were saved by the generation server. CI runs the
+shipped config without its n-gram measurement (one more server load): test_real_model.py
+measures n-gram lookup, on real text."""
 
 import json
 import subprocess
@@ -23,13 +25,17 @@ pytestmark = pytest.mark.e2e
 CONFIG = "config/deepseek-v3-tiny.yaml"
 BUDGET = yaml.safe_load((Path(__file__).resolve().parents[1] / CONFIG).read_text())["hidden_states"]["disk_budget"]
 RESULTS = "results/deepseek-v3-tiny"
+CI_CONFIG = "config/ci-deepseek.yaml"
 
 
 @pytest.fixture(scope="module")
 def deepseek_run(tmp_path_factory) -> Path:
     workdir = copy_workflow(tmp_path_factory.mktemp("deepseek"))
+    config = yaml.safe_load((workdir / CONFIG).read_text())
+    config["evaluation"]["free_methods"] = []
+    (workdir / CI_CONFIG).write_text(yaml.safe_dump(config))
     run = subprocess.run(
-        [sys.executable, "-m", "snakemake", "--configfile", CONFIG, "--cores", "all", "--resources", "gpu=8"],
+        [sys.executable, "-m", "snakemake", "--configfile", CI_CONFIG, "--cores", "all", "--resources", "gpu=8"],
         cwd=workdir,
         capture_output=True,
         text=True,
@@ -56,30 +62,24 @@ def test_the_trained_drafter_reaches_the_acceptance_goal(deepseek_run):
     assert "VLLM_MLA_DISABLE=1" in (deepseek_run / "logs/evaluate/drafter_k3.log").read_text()
 
 
-def test_the_drafter_is_compared_with_n_gram_lookup_and_the_target_alone(deepseek_run):
-    """evaluation.free_methods: n-gram lookup measured like the drafter, per set and over all
-    steps, and the serving config is whichever of the three the recommendation chose."""
+def test_the_drafter_is_weighed_against_the_target_alone(deepseek_run):
+    """The recommendation chooses between the drafter and the target alone, and the serving
+    config is whichever it chose."""
     result = json.loads((deepseek_run / "eval/acceptance.json").read_text())
     (row,) = result["recommendation"]
     print(json.dumps({key: row[key] for key in ("serve", "serve_chosen_by", "options")}, indent=1))
-    assert set(row["options"]) == {"target alone", "drafter k=3", "ngram k=3"}
+    assert set(row["options"]) == {"target alone", "drafter k=3"}
     assert row["serve"] in row["options"] and row["serve"] in row["serve_within_noise"]
     served = json.loads((deepseek_run / "drafter_speculative_config.json").read_text())
     assert served == row["speculative_config"]
     assert (served is None) == (row["serve"] == "target alone")
-    ngram = [r for r in result["results"] if r["method"] == "ngram" and r["category"] == "*"]
-    assert {r["set"] for r in ngram} == {"heldout"} and ngram[0]["num_speculative_tokens"] == 3
     # The drafter drafts at every step but the prefill's, which yields each answer's first
     # token: on answers of ~20 tokens that puts its tokens per step up to ~15% below its
     # acceptance (more so the better it drafts). An answer's last step emits no bonus token after
     # the end of turn, which lifts them back by up to one token per answer: measured, 2.925
-    # tokens per step against an acceptance of 2.920 (60 answers of 17 tokens). n-gram's
-    # acceptance counts only the steps where it found a match, so it is never below its tokens
-    # per step.
+    # tokens per step against an acceptance of 2.920 (60 answers of 17 tokens).
     drafter = row["options"]["drafter k=3"]
     assert 0.8 * drafter["acceptance_length"] <= drafter["tokens_per_step"] <= 1.05 * drafter["acceptance_length"]
-    assert ngram[0]["acceptance_length"] >= ngram[0]["tokens_per_step"] >= 1.0
-    assert (deepseek_run / "eval/ngram_k3.json").is_file()
 
 
 def test_answers_keep_their_think_tags_and_only_the_answer_is_trained(deepseek_run):

@@ -122,6 +122,11 @@ def test_the_drafter_is_weighed_against_ngram_and_the_target_alone_on_chat_and_c
         assert sets == {"heldout", "humaneval"}, (method, sets)
     for option in ("drafter k=3", "ngram k=3"):
         assert 1.0 <= row["options"][option]["tokens_per_step"] <= 4.0
+    # n-gram lookup's acceptance counts only the steps where it found a match, so it is never
+    # below its tokens per step.
+    ngram = [r for r in result["results"] if r["method"] == "ngram" and r["category"] == "*"]
+    assert all(r["acceptance_length"] >= r["tokens_per_step"] >= 1.0 for r in ngram), ngram
+    assert (real_run / "eval/ngram_k3.json").is_file()
 
 
 def test_the_stored_states_are_hugging_faces_at_the_configured_layers_and_not_their_neighbours(real_run):
