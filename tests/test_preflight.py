@@ -85,6 +85,7 @@ ALL_PLUGINS = [
     "draftsmith_cpu_seeded",
     "draftsmith_cpu_idle",
     "draftsmith_cpu_fork",
+    "draftsmith_cpu_bf16",
 ]
 
 
@@ -94,7 +95,7 @@ ALL_PLUGINS = [
         ("lora_filesystem_resolver", ALL_PLUGINS),
         ("", ALL_PLUGINS),
         (
-            "draftsmith_cpu_rope,draftsmith_cpu_amx,draftsmith_cpu_seeded,draftsmith_cpu_idle,draftsmith_cpu_fork",
+            "draftsmith_cpu_rope,draftsmith_cpu_amx,draftsmith_cpu_seeded,draftsmith_cpu_idle,draftsmith_cpu_fork,draftsmith_cpu_bf16",
             ["draftsmith_cpu_sampling"],
         ),
     ],

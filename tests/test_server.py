@@ -11,7 +11,7 @@ import psutil
 import pytest
 from conftest import heavy_processes, heavy_processes_after, server_settings
 
-from draftsmith import server, vllm_cpu_fork
+from draftsmith import server, vllm_cpu_bf16, vllm_cpu_fork
 from draftsmith.cpu_placement import single_process_engine_cores
 from draftsmith.run_config import RunConfig
 from draftsmith.server import ServerError, ServerSpec, managed_server
@@ -88,6 +88,8 @@ def test_serves_on_loopback_behind_its_key_keeps_engine_cores_free_and_leaves_no
     # vLLM is imported once per start (vllm_cpu_fork), and the engine served as above.
     one_thread = len(single_process_engine_cores(allowed)) == 1
     assert log_path.read_text().count(vllm_cpu_fork.FORKING) == int(one_thread)
+    # A bfloat16 target on a CPU without bfloat16 units: its linears run in float32 (vllm_cpu_bf16).
+    assert (vllm_cpu_bf16.UPCASTING in log_path.read_text()) != vllm_cpu_bf16.cpu_has_bf16_units()
 
 
 def test_start_failure_fails_fast_with_the_log_tail(demo_target, tmp_path):
