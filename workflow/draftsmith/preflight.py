@@ -168,7 +168,7 @@ VLLM_PLUGINS = {
     vllm_cpu_seeded: "crashes seeded sampling of a prompt prefilled in chunks",
     vllm_cpu_idle: "spins most of a core while idle, taking it from the trainer beside a capture server",
     vllm_cpu_fork: "imports vLLM twice at every server start, about 11 s of 27 on 2 cores",
-    vllm_cpu_bf16: "computes bfloat16 linear layers 5x slower than float32 on CPUs without bfloat16 units",
+    vllm_cpu_bf16: "computes bfloat16 linear layers 4-9x slower than float32 on CPUs without bfloat16 units",
 }
 
 

@@ -4,15 +4,16 @@ vLLM's CPU build serves a bfloat16 model's linear layers through oneDNN or its o
 kernels where the CPU has bfloat16 instructions (AVX-512 BF16 or AMX). Elsewhere (AVX2 hosts:
 "Failed to create oneDNN linear, fallback to torch linear" in the server log) it falls back
 to torch's bfloat16 matmul, which converts every element on the fly: measured on a 2-core AVX2
-host, 5.3x slower than the same matmul in float32, and about a third of a step of the demo
-targets (bench/cpu_bf16_linear.py).
+host, 4-9x slower than the same matmul in float32 on the demo targets' shapes
+(bench/cpu_bf16_linear.py).
 
 ``register`` keeps vLLM's choice on every other host and dtype. On a CPU without bfloat16
 units, each 2-D bfloat16 weight is copied to float32 once, at load, and its layer computes
 ``linear(x.float(), weight32, bias32)`` rounded back to bfloat16. torch's bfloat16 matmul also
 accumulates in float32 and rounds once, so the two differ by the order of the float32 sums
-only: outputs agree to one bfloat16 rounding step. The float32 copy doubles the weights'
-memory, which only tiny and small models served on a CPU can afford and need.
+only: outputs agree to one bfloat16 rounding step. The float32 copy sits beside the bfloat16
+weights (three times their memory in all), which only the small models served on a CPU can
+afford and need.
 """
 
 from __future__ import annotations
@@ -25,15 +26,19 @@ log = logging.getLogger(__name__)
 PLUGIN_GROUP, PLUGIN_NAME = "vllm.general_plugins", "draftsmith_cpu_bf16"
 PLUGIN_VALUE = f"{__name__}:register"
 # Third-party names this module uses; the preflight checks each exists (preflight.declared).
-THIRD_PARTY = [("vllm.model_executor.layers.utils", "dispatch_cpu_unquantized_gemm")]
-UPCASTING = "this CPU has no bfloat16 units: computing bfloat16 linear layers in float32 (5x faster)"
+THIRD_PARTY = [
+    ("vllm.model_executor.layers.utils", "dispatch_cpu_unquantized_gemm"),
+    ("torch.cpu", "_is_avx512_bf16_supported"),
+    ("torch.cpu", "_is_amx_tile_supported"),
+]
+UPCASTING = "this CPU has no bfloat16 units: computing bfloat16 linear layers in float32 (4-9x faster)"
 
 
 def cpu_has_bf16_units() -> bool:
+    """AVX-512 BF16 or AMX: where vLLM's own bfloat16 kernels apply."""
     import torch
 
-    capabilities = torch.backends.cpu.get_cpu_capability()
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported() or "AMX" in capabilities
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def float32_linear(weight, bias):  # noqa: ANN001, ANN201 (torch tensors; torch is imported lazily)
