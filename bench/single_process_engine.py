@@ -26,9 +26,10 @@ import httpx
 from results_file import write_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
+from draftsmith.preflight import VLLM_PLUGINS  # noqa: E402
 from draftsmith.server import ServerSpec, managed_server  # noqa: E402
 
-WITHOUT_FORK = ",".join(f"draftsmith_cpu_{name}" for name in ("amx", "idle", "rope", "sampling", "seeded"))
+WITHOUT_FORK = ",".join(p.PLUGIN_NAME for p in VLLM_PLUGINS if p.PLUGIN_NAME != "draftsmith_cpu_fork")
 MODES = {
     "single_process": {},
     "single_process_spawned": {"VLLM_PLUGINS": WITHOUT_FORK},
