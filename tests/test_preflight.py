@@ -50,8 +50,14 @@ def test_one_pass_is_refused_where_it_was_measured_wrong(monkeypatch, target, de
 
 
 def test_missing_speculators_function_is_named(monkeypatch, target, tmp_path):
+    import importlib
+
     import speculators.data_generation.vllm_client as client
 
+    # Imported first, as any earlier test may have: speculators.cli imports the function, so a
+    # first import after its removal would fail as a second, unrelated problem.
+    for module in {module for module, _ in preflight.REQUIRED_NAMES if module.startswith("speculators")}:
+        importlib.import_module(module)
     monkeypatch.delattr(client, "generate_hidden_states_async")
     problems = preflight.run_checks(RunConfig.from_dict(demo_settings(target)), tmp_path / "results")
     assert problems == [

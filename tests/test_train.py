@@ -576,6 +576,19 @@ def test_the_trainer_gets_no_thread_caps_from_snakemake(tmp_path, monkeypatch):
     assert "trainer sees OMP_NUM_THREADS=None" in log
 
 
+def test_the_trainer_logs_wide_lines_whatever_columns_the_caller_exports(tmp_path, monkeypatch):
+    """Rich wraps at COLUMNS; shells and pytest-xdist export 80, which wrapped the trainer's
+    lines mid-message (a resumed run's "Resuming training on epoch" no longer greppable)."""
+    monkeypatch.setenv("COLUMNS", "80")
+    log = run_stage_with_trainer(
+        "import os, sys; print('trainer sees COLUMNS=' + os.environ['COLUMNS'], file=sys.stderr, flush=True); "
+        "sys.exit(1)",
+        tmp_path,
+        stall_timeout_s=600,
+    )
+    assert "trainer sees COLUMNS=200" in log
+
+
 def test_the_trainer_waits_for_a_captured_file_in_10_ms_steps(monkeypatch):
     from hs_connectors import transfer
 
