@@ -41,6 +41,11 @@ os.environ.update([SESSION_MARK.split("=")])
 if os.environ.get("PYTEST_XDIST_WORKER"):
     for name in ("COLUMNS", "LINES"):
         os.environ.pop(name, None)
+    # Two processes on 2 cores: when both train with torch (2 OpenMP threads each), libgomp's
+    # default spin-wait at every barrier made each 7x slower (60 steps of the demo target:
+    # 56 s each, against 7.6 s alone). Spinning 2000 rounds before sleeping: 21 s each as a
+    # pair, 7.3 s alone (bench/README.md, the test suite).
+    os.environ.setdefault("GOMP_SPINCOUNT", "2000")
 
 
 # The fast tier (`make test-fast`) is every test not marked slow. A test is slow when it
