@@ -8,9 +8,8 @@ STAMP := $(VENV)/.installed
 demo: $(STAMP)
 	$(VENV)/bin/snakemake --cores all --resources gpu=8
 
-# In two processes (pytest-xdist): tests/conftest.py says how the suite is split and why.
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadgroup --no-loadscope-reorder
+	$(PY) -m pytest
 
 # Every module's logic without vLLM, training or the demo target: under 2 minutes.
 test-fast: $(STAMP)

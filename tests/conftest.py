@@ -9,7 +9,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parents[1]
 # What a copy of the workflow needs to run (envs/: rules record their conda file in metadata).
@@ -36,16 +35,6 @@ os.environ.update(VLLM_ENV)
 # second suite running on the machine must not count as ours.
 SESSION_MARK = f"DRAFTSMITH_TEST_SESSION={uuid.uuid4().hex}"
 os.environ.update([SESSION_MARK.split("=")])
-# pytest-xdist's workers export a terminal size (COLUMNS=80, LINES=24) that a CI log has not:
-# the tools the tests start would wrap their output at 80 columns in one mode and not the other.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    for name in ("COLUMNS", "LINES"):
-        os.environ.pop(name, None)
-    # Two processes on 2 cores: when both train with torch (2 OpenMP threads each), libgomp's
-    # default spin-wait at every barrier made each 7x slower (60 steps of the demo target:
-    # 56 s each, against 7.6 s alone). Spinning 2000 rounds before sleeping: 21 s each as a
-    # pair, 7.3 s alone (bench/README.md, the test suite).
-    os.environ.setdefault("GOMP_SPINCOUNT", "2000")
 
 
 # The fast tier (`make test-fast`) is every test not marked slow. A test is slow when it
@@ -55,63 +44,11 @@ SLOW_MARKERS = {"vllm", "e2e", "slurm", "training"}
 SLOW_FIXTURES = {"demo_target"}
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         marked = {mark.name for mark in item.iter_markers()}
         if marked & SLOW_MARKERS or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-    if hasattr(config, "workerinput"):  # a pytest-xdist worker: the longest units first
-        seconds = unit_seconds()
-        items.sort(key=lambda item: -seconds.get(unit_of(item.nodeid), 0.0))
-
-
-# `make test` runs the suite in two processes (pytest-xdist: -n 2 --dist loadgroup). A vLLM
-# engine here runs one OpenMP thread while its API server and client leave the other core
-# partly idle, and SLURM jobs wait on the executor's polling: a second process fills those
-# gaps. Each unit goes whole to one process: a module (its module fixtures are built once),
-# or the modules that share a costly thing. Units start longest first (LPT scheduling).
-SHARED_UNITS = {
-    # The finished demo (demo_run.py's session fixture), about 8 minutes to build.
-    "test_acceptance_gap.py": "the finished demo",
-    "test_from_pretrained.py": "the finished demo",
-    "test_rerun_matrix.py": "the finished demo",
-    "test_workflow.py": "the finished demo",
-    # Both fetch the real data into the checkout (make real-data): one at a time.
-    "test_gguf_target.py": "the real data",
-    "test_real_model.py": "the real data",
-}
-
-
-def unit_of(nodeid: str) -> str:
-    """The unit a test runs in: its module's, or the one its module shares."""
-    module = nodeid.split("::", 1)[0]
-    return SHARED_UNITS.get(Path(module).name, module)
-
-
-def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """--dist loadgroup by the units above. pytest-xdist 3.8 groups by renaming node ids,
-    which pytest 9.2 no longer reads back, so its own loadgroup would split the units."""
-    if config.getvalue("dist") != "loadgroup":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class UnitScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return unit_of(nodeid)
-
-    return UnitScheduling(config, log)
-
-
-def unit_seconds() -> dict[str, float]:
-    """Unit -> its modules' seconds in the last whole-suite run (none known: 0)."""
-    try:
-        by_module = json.loads(SUITE_DURATIONS.read_text())["by_module_s"]
-    except (OSError, ValueError, KeyError):
-        return {}
-    seconds: dict[str, float] = {}
-    for module, spent in by_module.items():
-        seconds[unit_of(module)] = seconds.get(unit_of(module), 0.0) + spent
-    return seconds
 
 
 # Where the whole suite's time goes, written by every run of the whole suite (`make test`, CI):
@@ -128,22 +65,16 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         _outcomes[report.nodeid] = report.outcome
 
 
-_started = time.monotonic()
-
-
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
     whole_suite = config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.markexpr
-    # Under pytest-xdist the controller writes it: every worker's reports reach it.
-    if not whole_suite or config.option.keyword or not _durations or hasattr(config, "workerinput"):
+    if not whole_suite or config.option.keyword or not _durations:
         return
     tests = sorted(_durations.items(), key=lambda item: -item[1])
     SUITE_DURATIONS.write_text(
         json.dumps(
             {
                 "total_s": round(sum(_durations.values()), 1),
-                "wall_s": round(time.monotonic() - _started, 1),
-                "processes": getattr(config.option, "numprocesses", None) or 1,
                 "tests": len(tests),
                 "exit_status": int(exitstatus),
                 "machine": f"{os.cpu_count()} cores, {platform.machine()}",
@@ -169,18 +100,11 @@ def _by_module(tests: list[tuple[str, float]]) -> dict[str, float]:
 
 @pytest.fixture(scope="session")
 def demo_target(tmp_path_factory) -> Path:
-    """The demo's tiny Llama, trained long enough to answer in its synthetic language: once
-    for all the suite's processes (the first to need it builds it, under a lock, in the
-    temp directory they share; its publication is one atomic rename)."""
-    shared = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = shared.parent  # each worker's basetemp is a folder of the run's
-    path = shared / "demo_target" / "demo_model"
+    """The demo's tiny Llama, trained long enough to answer in its synthetic language."""
+    path = tmp_path_factory.mktemp("target") / "demo_model"
     from draftsmith.demo_model import build_demo_model  # here: transformers reads the hub setting on import
 
-    with FileLock(shared / "demo_target.lock"):
-        if not (path / "config.json").exists():
-            build_demo_model(path, train_seconds=0, max_steps=400, seed=0, eval_per_task=0)
+    build_demo_model(path, train_seconds=0, max_steps=400, seed=0, eval_per_task=0)
     return path
 
 
