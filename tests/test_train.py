@@ -577,8 +577,8 @@ def test_the_trainer_gets_no_thread_caps_from_snakemake(tmp_path, monkeypatch):
 
 
 def test_the_trainer_logs_wide_lines_whatever_columns_the_caller_exports(tmp_path, monkeypatch):
-    """Rich wraps at COLUMNS; shells and pytest-xdist export 80, which wrapped the trainer's
-    lines mid-message (a resumed run's "Resuming training on epoch" no longer greppable)."""
+    """Rich wraps at COLUMNS; a shell that exports 80 wrapped the trainer's lines mid-message
+    (a fresh run's "Starting fresh training run" no longer greppable)."""
     monkeypatch.setenv("COLUMNS", "80")
     log = run_stage_with_trainer(
         "import os, sys; print('trainer sees COLUMNS=' + os.environ['COLUMNS'], file=sys.stderr, flush=True); "

@@ -49,9 +49,8 @@ def wait_while_writing(process: subprocess.Popen[bytes], stall_timeout_s: float)
 
 def run_trainer(command: list[str], metrics_file: Path, stall_timeout_s: float) -> None:
     # Rich wraps log lines at 80 columns when writing to a file; wide lines stay greppable.
-    # Set last: a COLUMNS in the caller's environment (shells and pytest-xdist export one)
-    # would otherwise wrap them again.
-    env = {**uncapped_environment(), "COLUMNS": "200", METRICS_FILE_ENV: str(metrics_file)}
+    # An extra, so it wins over a COLUMNS the caller's shell exports.
+    env = uncapped_environment(COLUMNS="200", **{METRICS_FILE_ENV: str(metrics_file)})
     log("running: " + " ".join(command))
     sys.stderr.flush()
     # Under the guard, so torchrun's workers are stopped with it even after a SIGKILL.
